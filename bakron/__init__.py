@@ -1,0 +1,13 @@
+"""bakron: fast two-sided (Kronecker-factored) second-order rounding for quantization."""
+from .factors import Factor, NotPositiveDefiniteError, block_ldl, prepare_factor
+from .layer import LayerResult, proxy_error, quantize_layer
+from .quantizers import TileQuantizer, UniformQuantizer
+from .solvers import SolveResult, solve
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Factor", "LayerResult", "NotPositiveDefiniteError", "SolveResult", "TileQuantizer",
+    "UniformQuantizer", "block_ldl", "prepare_factor", "proxy_error", "quantize_layer", "solve",
+    "__version__",
+]

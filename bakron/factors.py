@@ -1,0 +1,203 @@
+"""The factor pipeline of SPEC §2: symmetrise, normalise, damp, block LDL.
+
+``prepare_factor`` turns a raw Hessian factor into ``A = L - I`` (strictly block-lower
+triangular) with ``H = L D L^T``. Factorisations always run in float64, on the caller's device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import _xp
+from ._validate import check_finite, check_matrix, check_symmetric
+
+__all__ = ["block_ldl", "prepare_factor", "Factor", "NotPositiveDefiniteError"]
+
+
+class NotPositiveDefiniteError(ValueError):
+    """The (damped) factor has no finite Cholesky factorisation."""
+
+
+def _block_edges(n: int, block: int) -> list[int]:
+    return list(range(0, n, block)) + [n]
+
+
+def _cholesky(xp, H):
+    """Lower Cholesky factor, or ``None`` if it fails or is not finite (cupy returns NaNs)."""
+    try:
+        C = xp.linalg.cholesky(H)
+    except Exception as exc:  # numpy raises LinAlgError; other libraries raise their own
+        if "definite" in str(exc).lower() or type(exc).__name__ == "LinAlgError":
+            return None
+        raise
+    if not bool(xp.all(xp.isfinite(C))):
+        return None
+    if not bool(xp.all(xp.linalg.diagonal(C) > 0)):
+        return None
+    return C
+
+
+def _ldl_from_cholesky(xp, C, block: int):
+    """``L = C blockdiag(C_kk)^-1`` and ``D = blockdiag(C_kk C_kk^T)`` (dense n x n)."""
+    n = C.shape[0]
+    dev = _xp.device(C)
+    nb = -(-n // block)
+    npad = nb * block
+    if npad != n:  # pad with an identity block so that every diagonal block is block x block
+        Cp = xp.eye(npad, dtype=C.dtype, device=dev)
+        Cp[:n, :n] = C
+    else:
+        Cp = C
+    # diagonal blocks (nb, b, b)
+    C3 = xp.reshape(Cp, (npad, nb, block))                      # rows, block col, col in block
+    diag = xp.stack([Cp[k * block:(k + 1) * block, k * block:(k + 1) * block] for k in range(nb)])
+    inv = xp.linalg.inv(diag)                                   # (nb, b, b)
+    L3 = xp.matmul(xp.permute_dims(C3, (1, 0, 2)), inv)         # (nb, npad, b)
+    L = xp.reshape(xp.permute_dims(L3, (1, 0, 2)), (npad, npad))[:n, :n]
+    Dblk = xp.matmul(diag, xp.permute_dims(diag, (0, 2, 1)))    # (nb, b, b)
+    D = xp.zeros((npad, npad), dtype=C.dtype, device=dev)
+    A = xp.asarray(L, copy=True)
+    for k in range(nb):
+        sl = slice(k * block, (k + 1) * block)
+        D[sl, sl] = Dblk[k, ...]
+        A[sl, sl] = 0.0  # the diagonal blocks of L are exactly the identity
+    A = xp.tril(A)
+    return A, D[:n, :n]
+
+
+def block_ldl(H, block: int):
+    """Block LDL of a symmetric positive-definite ``H``: returns ``(A, D)``.
+
+    ``H = (I + A) D (I + A)^T`` with ``A`` strictly block-lower-triangular (its ``block x block``
+    diagonal blocks are zero; the last block is smaller when ``block`` does not divide n) and
+    ``D`` block diagonal (returned dense). Computed in float64. Raises
+    ``NotPositiveDefiniteError`` when ``H`` has no finite Cholesky factor.
+    """
+    xp = _xp.namespace(H)
+    check_matrix(xp, H, "H", square=True)
+    block = _check_block(block, H.shape[0])
+    H64 = xp.astype(H, xp.float64)
+    C = _cholesky(xp, H64)
+    if C is None:
+        raise NotPositiveDefiniteError("H is not positive definite (Cholesky failed or is not "
+                                       "finite); damp it, e.g. with prepare_factor")
+    return _ldl_from_cholesky(xp, C, block)
+
+
+def _check_block(block, n: int) -> int:
+    try:
+        b = int(block)
+    except Exception:
+        raise ValueError(f"block must be a positive integer, got {block!r}") from None
+    if b != block or b < 1:
+        raise ValueError(f"block must be a positive integer, got {block!r}")
+    return min(b, n)
+
+
+@dataclass
+class Factor:
+    """A prepared Hessian factor.
+
+    Attributes
+    ----------
+    A : array (n, n)
+        ``L - I``, strictly block-lower-triangular, float64.
+    D : array (n, n)
+        Block-diagonal ``D`` of ``H = L D L^T`` (dense), float64.
+    H : array (n, n)
+        The symmetrised, normalised and damped matrix that was factorised.
+    damp : float
+        Total damping added (relative to the mean diagonal when normalised).
+    scale : float
+        Mean diagonal that ``H`` was divided by (1.0 when not normalised).
+    dead : Any
+        Indices of dead channels (zero row and column) whose diagonal was set to 1.
+    tries : int
+        Factorisation attempts (1 = no escalation needed).
+    """
+
+    A: Any
+    D: Any
+    H: Any
+    damp: float
+    scale: float
+    dead: Any
+    tries: int
+    block: int
+
+
+def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
+                   normalize: bool = True, name: str = "H", check_symmetry: bool = True) -> Factor:
+    """Symmetrise, normalise, handle dead channels, damp and block-LDL-factorise ``H``.
+
+    Parameters
+    ----------
+    H : array (n, n)
+        A Hessian factor (``H_in`` or ``H_out``), any float dtype, numpy/cupy/array-API.
+    block : int
+        LDL block size: ``t_y`` for ``H_in``, ``t_x`` for ``H_out``, 1 for scalar rounding
+        without tiles.
+    damp : float
+        Relative damping ``delta``: ``H <- H / mean(diag H) + delta * I``. If the block LDL
+        fails (not positive definite or not finite), ``delta`` doubles, up to ``max_tries``
+        attempts in all; when ``damp == 0`` the escalation starts at ``1e-6``.
+    normalize : bool
+        Divide by the mean diagonal first (off: the matrix is used as given, plus damping).
+    name : str
+        The argument name used in error messages.
+
+    Returns
+    -------
+    Factor
+        ``A = L - I``, ``D``, the damped ``H``, the total damping used, and diagnostics.
+    """
+    xp = _xp.namespace(H)
+    check_matrix(xp, H, name, square=True)
+    check_finite(xp, H, name)
+    if not (damp >= 0) or damp != damp:
+        raise ValueError(f"damp must be >= 0, got {damp!r}")
+    if int(max_tries) < 1:
+        raise ValueError(f"max_tries must be >= 1, got {max_tries!r}")
+    n = H.shape[0]
+    block = _check_block(block, n)
+    H64 = xp.astype(H, xp.float64, copy=True)
+    if check_symmetry:
+        check_symmetric(xp, H64, name)
+    H64 = (H64 + H64.T) / 2.0
+    diag = xp.linalg.diagonal(H64)
+    if bool(xp.any(diag < 0)):
+        raise ValueError(f"{name} has negative diagonal entries: it is not positive "
+                         f"semi-definite")
+    dead_mask = diag == 0
+    dead = xp.nonzero(dead_mask)[0]
+    live = n - int(dead.shape[0])
+    if live == 0:
+        raise ValueError(f"{name} is all zeros: there is no input signal to weigh the errors by")
+    scale = 1.0
+    if normalize:
+        scale = float(xp.sum(diag)) / live  # mean over live channels
+        H64 = H64 / scale
+    if live < n:
+        if bool(xp.any(H64[dead_mask, :] != 0)):
+            raise ValueError(f"{name} has zero diagonal entries with non-zero off-diagonal "
+                             f"entries: it is not positive semi-definite")
+        H64 = H64 + _diag_matrix(xp, xp.astype(dead_mask, xp.float64))
+    eye = xp.eye(n, dtype=xp.float64, device=_xp.device(H64))
+    delta = float(damp)
+    for attempt in range(1, int(max_tries) + 1):
+        Hd = H64 + delta * eye if delta > 0 else H64
+        C = _cholesky(xp, Hd)
+        if C is not None:
+            A, D = _ldl_from_cholesky(xp, C, block)
+            if bool(xp.all(xp.isfinite(A))):
+                return Factor(A=A, D=D, H=Hd, damp=delta, scale=scale, dead=dead,
+                              tries=attempt, block=block)
+        delta = 2.0 * delta if delta > 0 else 1e-6
+    raise NotPositiveDefiniteError(
+        f"{name} is not positive definite even with damping {delta / 2:.3g} after {max_tries} "
+        f"tries: it is indefinite beyond the damping limit (check how it was accumulated)")
+
+
+def _diag_matrix(xp, v):
+    n = v.shape[0]
+    return xp.eye(n, dtype=v.dtype, device=_xp.device(v)) * v[None, :]

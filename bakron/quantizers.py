@@ -1,0 +1,257 @@
+"""Quantizers: the scalar uniform grid of SPEC §5 and the tile-quantizer protocol.
+
+A *tile quantizer* is any object with a method
+
+    quantize(targets) -> (values, codes)
+
+that rounds a batch of tiles ``targets`` of shape ``(k, t_x, t_y)``; ``values`` has the same
+shape, ``codes`` is an integer array of the same shape or ``None``. A quantizer whose
+``quantize`` also accepts keyword arguments ``rows`` and ``cols`` receives, for each tile of
+the batch, the index of its first row and first column in W (integer arrays of shape ``(k,)``
+in the targets' namespace) — needed by grids with per-row or per-group scales. The solvers call
+``quantize`` once per batch of independent tiles, never per element.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from . import _xp
+from ._validate import check_bits
+
+__all__ = ["TileQuantizer", "UniformQuantizer", "rms_step"]
+
+# Step of the MSE-optimal uniform quantizer of a unit Gaussian with 2**b levels (Max 1960);
+# ``fit(method="rms")`` uses step = factor * RMS.
+_GAUSS_STEP = {1: 1.596, 2: 0.9957, 3: 0.5860, 4: 0.3352, 5: 0.1881, 6: 0.1041, 7: 0.0569, 8: 0.0308}
+
+
+def rms_step(bits: int) -> float:
+    """Step size, in units of the RMS, of the MSE-optimal uniform grid for Gaussian weights."""
+    return _GAUSS_STEP[check_bits(bits)]
+
+
+@runtime_checkable
+class TileQuantizer(Protocol):
+    def quantize(self, targets):  # pragma: no cover - protocol
+        ...
+
+
+def _as_table(scale, name: str, m: int | None, n: int | None, group_size: int | None):
+    """Normalise a scale/zero-point spec to a 2-D numpy table (R, G) with R in {1, m}."""
+    a = np.asarray(_xp.to_numpy(scale) if hasattr(scale, "shape") else scale, dtype=np.float64)
+    if a.ndim == 0:
+        return a.reshape(1, 1)
+    if a.ndim == 1:
+        if m is not None and a.shape[0] != m:
+            raise ValueError(f"{name} has shape {a.shape} but W has {m} rows; a per-row {name} "
+                             f"must have shape ({m},)")
+        return a.reshape(-1, 1)
+    if a.ndim == 2:
+        if group_size is None:
+            raise ValueError(f"{name} is 2-D (per-group) but group_size is not set")
+        if m is not None and n is not None:
+            groups = -(-n // group_size)
+            if a.shape != (m, groups):
+                raise ValueError(
+                    f"{name} has shape {a.shape} but W is {m} x {n} with group_size {group_size}, "
+                    f"so a per-group {name} must have shape ({m}, {groups})")
+        return a
+    raise ValueError(f"{name} must be a scalar, a per-row vector or a per-group matrix, "
+                     f"got {a.ndim} dimensions")
+
+
+class UniformQuantizer:
+    """Scalar uniform grid with ``bits`` bits (SPEC §5).
+
+    Symmetric codes ``c = clip(round(t/s), -2**(b-1), 2**(b-1)-1)`` with value ``s*c``;
+    asymmetric codes ``c = clip(round(t/s) + z, 0, 2**b - 1)`` with value ``s*(c - z)``.
+    Ties round half to even. ``scale`` (and ``zero_point``) is a scalar, a per-row vector
+    ``(m,)`` or a per-group matrix ``(m, ceil(n / group_size))``. The solver never changes it.
+    """
+
+    def __init__(self, bits, scale, *, symmetric: bool = True, zero_point=None,
+                 group_size: int | None = None):
+        self.bits = check_bits(bits)
+        self.symmetric = bool(symmetric)
+        if group_size is not None and (int(group_size) != group_size or group_size < 1):
+            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+        self.group_size = None if group_size is None else int(group_size)
+        self._scale = _as_table(scale, "scale", None, None, self.group_size)
+        self._per_group = len(getattr(scale, "shape", np.shape(scale))) == 2
+        if not np.all(np.isfinite(self._scale)) or np.any(self._scale <= 0):
+            raise ValueError("scale must be finite and > 0 everywhere")
+        if self.symmetric:
+            if zero_point is not None:
+                raise ValueError("zero_point is only used with symmetric=False")
+            self._zero = None
+        else:
+            zp = 2 ** (self.bits - 1) if zero_point is None else zero_point
+            self._zero = _as_table(zp, "zero_point", None, None, self.group_size)
+            if not np.all(np.isfinite(self._zero)):
+                raise ValueError("zero_point must be finite")
+        self.scale = scale
+        self.zero_point = zero_point
+        self._cache: dict = {}
+
+    # -- description -------------------------------------------------------------------
+    @property
+    def code_range(self) -> tuple[int, int]:
+        if self.symmetric:
+            return -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
+        return 0, 2 ** self.bits - 1
+
+    @property
+    def granularity(self) -> str:
+        if self._per_group:
+            return "group"
+        return "row" if self._scale.shape[0] > 1 else "tensor"
+
+    def __repr__(self) -> str:
+        kind = "symmetric" if self.symmetric else "asymmetric"
+        gs = f", group_size={self.group_size}" if self.group_size else ""
+        return f"UniformQuantizer(bits={self.bits}, {kind}, {self.granularity} scale{gs})"
+
+    def check_shape(self, m: int, n: int) -> None:
+        """Raise ``ValueError`` if the scale (or zero point) does not fit an m x n matrix."""
+        for name, tab in (("scale", self._scale), ("zero_point", self._zero)):
+            if tab is None or tab.shape == (1, 1):
+                continue
+            r, g = tab.shape
+            if r not in (1, m):
+                raise ValueError(f"{name} has {r} rows but W has {m} rows; a per-row {name} "
+                                 f"must have shape ({m},)")
+            if self._per_group:
+                groups = -(-n // self.group_size)
+                if (r, g) != (m, groups):
+                    raise ValueError(
+                        f"{name} has shape {(r, g)} but W is {m} x {n} with group_size "
+                        f"{self.group_size}, so a per-group {name} must have shape "
+                        f"({m}, {groups})")
+
+    # -- tables in the caller's namespace ------------------------------------------------
+    def tables(self, xp, device, dtype):
+        """(scale, zero or None) as 2-D arrays of ``dtype`` in ``xp`` on ``device``."""
+        key = (xp.__name__, str(device), str(dtype))
+        hit = self._cache.get(key)
+        if hit is None:
+            s = xp.asarray(self._scale, dtype=dtype, device=device)
+            z = None if self._zero is None else xp.asarray(self._zero, dtype=dtype, device=device)
+            hit = self._cache[key] = (s, z)
+        return hit
+
+    def _gather(self, xp, tab, rows_idx, cols_idx):
+        """Per-element table values for tiles: rows_idx (k, tx), cols_idx (k, ty)."""
+        r, g = tab.shape
+        if r == 1 and g == 1:
+            return tab[0, 0]
+        ri = rows_idx if r > 1 else xp.zeros_like(rows_idx)
+        gi = (cols_idx // self.group_size) if g > 1 else xp.zeros_like(cols_idx)
+        flat = ri[:, :, None] * g + gi[:, None, :]
+        k, tx, ty = flat.shape
+        return xp.reshape(xp.take(xp.reshape(tab, (-1,)), xp.reshape(flat, (-1,))), (k, tx, ty))
+
+    # -- the quantizer protocol ------------------------------------------------------------
+    def quantize(self, targets, rows=None, cols=None):
+        """Round tiles ``targets`` (k, t_x, t_y) whose first rows/cols are ``rows``/``cols``."""
+        xp = _xp.namespace(targets)
+        k, tx, ty = targets.shape
+        dev = _xp.device(targets)
+        s_tab, z_tab = self.tables(xp, dev, targets.dtype)
+        if rows is None or cols is None:
+            if s_tab.shape != (1, 1) or (z_tab is not None and z_tab.shape != (1, 1)):
+                raise ValueError("this quantizer has per-row or per-group scales: quantize() "
+                                 "needs the tiles' rows and cols offsets")
+            rows = cols = xp.zeros((k,), dtype=xp.int64, device=dev)
+        rows_idx = rows[:, None] + xp.arange(tx, dtype=xp.int64, device=dev)[None, :]
+        cols_idx = cols[:, None] + xp.arange(ty, dtype=xp.int64, device=dev)[None, :]
+        s = self._gather(xp, s_tab, rows_idx, cols_idx)
+        lo, hi = self.code_range
+        q = xp.round(targets / s)
+        if self.symmetric:
+            c = xp.clip(q, float(lo), float(hi))
+            values = s * c
+        else:
+            z = self._gather(xp, z_tab, rows_idx, cols_idx)
+            c = xp.clip(q + z, float(lo), float(hi))
+            values = s * (c - z)
+        return values, xp.astype(c, xp.int16)
+
+    def rtn(self, W):
+        """Round-to-nearest of the whole matrix: (values, codes)."""
+        xp = _xp.namespace(W)
+        m, n = W.shape
+        self.check_shape(m, n)
+        z = xp.zeros((1,), dtype=xp.int64, device=_xp.device(W))
+        v, c = self.quantize(W[None, ...], rows=z, cols=z)
+        return v[0, ...], c[0, ...]
+
+    # -- choosing scales -------------------------------------------------------------------
+    @classmethod
+    def fit(cls, W, bits, *, symmetric: bool = True, granularity: str = "row",
+            group_size: int | None = None, method: str = "rms"):
+        """Choose scales (and zero points) from ``W``.
+
+        ``granularity`` is ``"tensor"``, ``"row"`` or ``"group"`` (with ``group_size``).
+        ``method="rms"`` sets the step to the MSE-optimal Gaussian step times the RMS (the
+        standard deviation and mean for asymmetric grids); ``method="minmax"`` covers the
+        range: ``absmax / (2**(b-1) - 1)`` symmetric, ``(max - min) / (2**b - 1)`` asymmetric.
+        """
+        bits = check_bits(bits)
+        if method not in ("rms", "minmax"):
+            raise ValueError(f"method must be 'rms' or 'minmax', got {method!r}")
+        Wn = np.asarray(_xp.to_numpy(W), dtype=np.float64)
+        if Wn.ndim != 2:
+            raise ValueError(f"W must be a 2-D array, got shape {Wn.shape}")
+        m, n = Wn.shape
+        if granularity == "tensor":
+            parts = [Wn.reshape(1, 1, -1)]
+        elif granularity == "row":
+            parts = [Wn.reshape(m, 1, n)]
+        elif granularity == "group":
+            if group_size is None or group_size < 1:
+                raise ValueError("granularity='group' needs a positive group_size")
+            parts = [Wn[:, j:j + group_size].reshape(m, 1, -1) for j in range(0, n, group_size)]
+        else:
+            raise ValueError(f"granularity must be 'tensor', 'row' or 'group', got {granularity!r}")
+        scales, zeros = [], []
+        for p in parts:
+            s, z = _fit_block(p, bits, symmetric, method)
+            scales.append(s)
+            zeros.append(z)
+        scale = np.concatenate(scales, axis=1)
+        zero = np.concatenate(zeros, axis=1) if not symmetric else None
+        if granularity == "tensor":
+            scale = float(scale[0, 0])
+            zero = None if zero is None else float(zero[0, 0])
+        elif granularity == "row":
+            scale = scale[:, 0]
+            zero = None if zero is None else zero[:, 0]
+        return cls(bits, scale, symmetric=symmetric, zero_point=zero,
+                   group_size=group_size if granularity == "group" else None)
+
+
+def _fit_block(p, bits, symmetric, method):
+    """Scale and zero point for each row of ``p`` (R, 1, k) -> (R, 1) arrays."""
+    tiny = np.finfo(np.float64).tiny
+    if symmetric:
+        if method == "rms":
+            s = _GAUSS_STEP[bits] * np.sqrt(np.mean(p * p, axis=2))
+        else:
+            s = np.max(np.abs(p), axis=2) / max(2 ** (bits - 1) - 1, 1)
+        s = np.where(s > tiny, s, 1.0)
+        return s, None
+    if method == "rms":
+        mu, sd = np.mean(p, axis=2), np.std(p, axis=2)
+        s = _GAUSS_STEP[bits] * sd
+        s = np.where(s > tiny, s, np.maximum(np.abs(mu), 1.0))
+        z = 2 ** (bits - 1) - np.round(mu / s)
+    else:
+        lo, hi = np.min(p, axis=2), np.max(p, axis=2)
+        lo, hi = np.minimum(lo, 0.0), np.maximum(hi, 0.0)
+        s = (hi - lo) / (2 ** bits - 1)
+        s = np.where(s > tiny, s, 1.0)
+        z = np.round(-lo / s)
+    z = np.clip(z, 0, 2 ** bits - 1)
+    return s, z
