@@ -13,7 +13,7 @@ An engine is a module here that is imported lazily (numba and cupy are never imp
     ``W + F + (feedback from inside the block)``, writing ``p.Wq`` and ``p.codes``
     (and ``p.T`` when it is not ``None``), bit-identical to the array-API path.
 
-and optionally ``solve(p, method, base) -> bool`` to run a whole method itself (returning
+and optionally ``solve(p, method, base, variant) -> bool`` to run a whole method itself (returning
 ``False`` to fall back to the generic driver).
 """
 from __future__ import annotations
