@@ -1,0 +1,1 @@
+"""The built-in demos run by ``bakron demo``."""

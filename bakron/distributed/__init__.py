@@ -1,0 +1,1 @@
+"""Scale-out on Dask distributed (optional extra ``bakron[dask]``)."""

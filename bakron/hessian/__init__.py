@@ -1,0 +1,1 @@
+"""Global Hessians: Kronecker factors of the end-to-end loss (SPEC §6)."""
