@@ -1,0 +1,446 @@
+"""The ``bakron`` command: ``demo``, ``quantize`` and ``bench``.
+
+Exit codes (stable; scripts may rely on them):
+
+===  =========================================================================================
+0    success
+1    ``quantize``: at least one layer failed (the others are written; the report says which)
+2    usage or validation error (bad option, missing/invalid input); nothing was written
+3    ``quantize``: the output folder exists and ``--force`` was not given; nothing was written
+4    a part that the command needs is not available (an optional dependency, a demo model,
+     ``bakron.bench``, a GPU for ``--device gpu``)
+130  interrupted (Ctrl-C); a ``quantize`` output folder is not left behind
+===  =========================================================================================
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["main", "EXIT_OK", "EXIT_LAYER_FAILED", "EXIT_USAGE", "EXIT_OUT_EXISTS",
+           "EXIT_UNAVAILABLE", "EXIT_INTERRUPTED"]
+
+EXIT_OK = 0
+EXIT_LAYER_FAILED = 1
+EXIT_USAGE = 2
+EXIT_OUT_EXISTS = 3
+EXIT_UNAVAILABLE = 4
+EXIT_INTERRUPTED = 130
+
+DEFAULT_DEMO_OUT = "bakron-demo"
+REPORT_NAME = "report.json"
+REPORT_FORMAT_VERSION = 1
+
+
+class UsageError(Exception):
+    """A command-line usage or validation error (exit code 2)."""
+
+
+class Unavailable(Exception):
+    """A part the command needs is missing (exit code 4)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would call sys.exit(2); main() returns instead
+        raise UsageError(f"{self.prog}: error: {message}\n{self.format_usage().rstrip()}")
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- option parsing helpers ------------------------------------------------------------------
+
+def _bits(text: str) -> int:
+    try:
+        b = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in 2..8, got {text!r}") from None
+    if not 2 <= b <= 8:
+        raise argparse.ArgumentTypeError(f"must be in 2..8, got {b}")
+    return b
+
+
+def _bits_list(text: str) -> tuple[int, ...]:
+    parts = [p for p in text.replace(" ", "").split(",") if p]
+    if not parts:
+        raise argparse.ArgumentTypeError("give bit widths such as 2,3,4")
+    return tuple(_bits(p) for p in parts)
+
+
+def _tile(text: str) -> tuple[int, int]:
+    parts = text.lower().replace(",", "x").split("x")
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer or TXxTY such as 16 or 16x8, got {text!r}") from None
+    if len(vals) == 1:
+        vals = vals * 2
+    if len(vals) != 2 or min(vals) < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer or TXxTY such as 16 or 16x8, got {text!r}")
+    return vals[0], vals[1]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def _damp(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not (v >= 0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .solvers import ENGINES, METHODS
+
+    p = _Parser(prog="bakron", description="Fast two-sided second-order rounding for "
+                "post-training quantization.", epilog="Exit codes: 0 ok, 1 a layer failed, "
+                "2 usage/validation error, 3 output exists, 4 missing component, "
+                "130 interrupted.")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", metavar="{demo,quantize,bench}", parser_class=_Parser)
+
+    d = sub.add_parser("demo", help="run a built-in demo end to end and write a report",
+                       description="Quantize a small model at several bit widths with RTN, "
+                       "one-sided LDLQ and two-sided bakron; print a table and write a "
+                       "markdown report and a plot.")
+    d.add_argument("--model", choices=("minilm", "mlp"), default="minilm",
+                   help="minilm: the all-MiniLM-L6-v2 sentence encoder (default); mlp: a "
+                        "small MLP trained on scikit-learn's digits")
+    d.add_argument("--out", default=DEFAULT_DEMO_OUT, metavar="DIR",
+                   help=f"folder for the report and plot (default ./{DEFAULT_DEMO_OUT}/)")
+    d.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="auto uses the GPU when cupy sees one (default auto)")
+    d.add_argument("--bits", type=_bits_list, default=(2, 3, 4), metavar="B[,B...]",
+                   help="bit widths (default 2,3,4)")
+    d.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    d.add_argument("--quiet", action="store_true", help="no progress output")
+    d.set_defaults(func=_cmd_demo)
+
+    q = sub.add_parser("quantize", help="quantize layers from .npz/.safetensors files",
+                       description="Quantize layers stored as .npz or .safetensors files "
+                       "holding W (m x n), H_in (n x n) and optionally H_out (m x m), or a "
+                       "folder of such files. Writes OUT/<layer>.<format> with codes, scale "
+                       "(zero_point), W_hat, and OUT/report.json. OUT appears atomically.")
+    q.add_argument("input", metavar="IN", help="a layer file or a folder of layer files")
+    q.add_argument("--out", required=True, metavar="OUT", help="output folder (must not exist "
+                   "unless --force)")
+    q.add_argument("--bits", type=_bits, default=4, help="bits per weight, 2..8 (default 4)")
+    q.add_argument("--scale", choices=("row", "group", "tensor"), default="row",
+                   help="scale granularity (default row)")
+    q.add_argument("--group-size", type=_positive_int, default=None,
+                   help="columns per scale group with --scale group (default 128)")
+    q.add_argument("--asym", action="store_true", help="asymmetric grid with zero points")
+    q.add_argument("--scale-method", choices=("rms", "minmax"), default="rms",
+                   help="how scales are fitted to W (default rms)")
+    q.add_argument("--tile", type=_tile, default=(16, 16), metavar="T|TXxTY",
+                   help="tile shape, e.g. 16 or 16x8 (default 16)")
+    q.add_argument("--method", choices=METHODS, default="auto", help="solver schedule")
+    q.add_argument("--engine", choices=ENGINES, default="auto", help="compute engine")
+    q.add_argument("--damp", type=_damp, default=0.01,
+                   help="relative damping of the factors (default 0.01)")
+    q.add_argument("--one-sided", action="store_true",
+                   help="ignore H_out: one-sided LDLQ/GPTQ with H_in only")
+    q.add_argument("--format", choices=("safetensors", "npz"), default="safetensors",
+                   help="file format of the outputs (default safetensors)")
+    q.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
+                   help="where to compute (default cpu; auto uses a GPU when cupy sees one)")
+    q.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    q.add_argument("--quiet", action="store_true", help="no progress or table")
+    q.set_defaults(func=_cmd_quantize)
+
+    b = sub.add_parser("bench", help="benchmark methods x sizes on this machine (forwards "
+                       "its arguments to bakron.bench)", add_help=False)
+    b.set_defaults(func=None)
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the ``bakron`` command line with ``argv`` (default ``sys.argv[1:]``); return the
+    exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _cmd_bench(argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    if args.version:
+        from . import __version__
+
+        print(f"bakron {__version__}")
+        return EXIT_OK
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        _err(f"bakron {args.command}: error: {exc}")
+        return EXIT_USAGE
+    except Unavailable as exc:
+        _err(f"bakron {args.command}: {exc}")
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        _err(f"bakron {args.command}: interrupted")
+        return EXIT_INTERRUPTED
+
+
+# -- bench ---------------------------------------------------------------------------------
+
+def _cmd_bench(rest: list[str]) -> int:
+    try:
+        mod = importlib.import_module("bakron.bench")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("bakron.bench",):
+            _err("bakron bench: not available: this bakron has no bakron.bench module")
+        else:
+            _err(f"bakron bench: not available: a dependency is missing ({exc}); try "
+                 f"pip install 'bakron[bench]'")
+        return EXIT_UNAVAILABLE
+    try:
+        rc = mod.main(rest)
+    except SystemExit as exc:
+        rc = exc.code
+    except KeyboardInterrupt:
+        _err("bakron bench: interrupted")
+        return EXIT_INTERRUPTED
+    if rc is None:
+        return EXIT_OK
+    return rc if isinstance(rc, int) else EXIT_LAYER_FAILED
+
+
+# -- demo ----------------------------------------------------------------------------------
+
+def _cmd_demo(args) -> int:
+    from .io import array_module
+
+    if args.device == "gpu":
+        try:
+            array_module("gpu")
+        except RuntimeError as exc:
+            raise Unavailable(str(exc)) from None
+    modname = {"minilm": "bakron.demo.minilm", "mlp": "bakron.demo.mlp"}[args.model]
+    try:
+        mod = importlib.import_module(modname)
+    except ModuleNotFoundError as exc:
+        if exc.name == modname:
+            raise Unavailable(f"the {args.model!r} demo is not part of this bakron "
+                              f"({modname} is missing); try --model mlp") from None
+        raise Unavailable(f"the {args.model!r} demo needs {exc.name!r}, which is not "
+                          f"installed: pip install 'bakron[demo]'") from None
+    t0 = time.perf_counter()
+    result = mod.run(args.out, device=args.device, bits=tuple(args.bits), quick=args.quick,
+                     progress=not args.quiet)
+    if not args.quiet:
+        files = result.get("files") if isinstance(result, dict) else None
+        where = ", ".join(str(f) for f in files) if files else os.path.abspath(args.out)
+        print(f"bakron demo --model {args.model}: done in {time.perf_counter() - t0:.1f} s; "
+              f"wrote {where}")
+    return EXIT_OK
+
+
+# -- quantize ------------------------------------------------------------------------------
+
+def _versions() -> dict:
+    from . import __version__
+
+    v = {"bakron": __version__, "numpy": np.__version__, "python": platform.python_version(),
+         "platform": platform.platform()}
+    for name in ("scipy", "numba", "cupy"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            v[name] = getattr(mod, "__version__", "?")
+    return v
+
+
+def _check_options(args) -> None:
+    if args.group_size is not None and args.scale != "group":
+        raise UsageError("--group-size only applies with --scale group")
+    if args.scale == "group" and args.group_size is None:
+        args.group_size = 128
+
+
+def _quantizer_tables(q, dtype):
+    """(scale table, zero table or None) as 2-D numpy arrays (see :func:`bakron.io.dequantize`)."""
+    s, z = q.tables(np, "cpu", np.dtype(dtype))
+    s = np.array(s, dtype=dtype).reshape(s.shape[0], s.shape[1])
+    if z is not None:
+        z = np.rint(np.asarray(z, dtype=np.float64)).astype(np.uint8)
+    return s, z
+
+
+def _quantize_one(args, xp, tensors, info) -> tuple[dict, dict]:
+    """Quantize one layer: (arrays to write, report entry)."""
+    from . import _xp, proxy_error, quantize_layer
+
+    t0 = time.perf_counter()
+    W = xp.asarray(tensors["W"])
+    H_in = xp.asarray(tensors["H_in"])
+    H_out = None if "H_out" not in tensors else xp.asarray(tensors["H_out"])
+    res = quantize_layer(W, H_in, None if args.one_sided else H_out, bits=args.bits,
+                         tile=args.tile, method=args.method, engine=args.engine, damp=args.damp,
+                         symmetric=not args.asym, granularity=args.scale,
+                         group_size=args.group_size, scale_method=args.scale_method)
+    W_hat = _xp.to_numpy(res.values)
+    codes = _xp.to_numpy(res.codes)
+    entry = res.summary()
+    if args.one_sided and H_out is not None:  # judge the one-sided result on both sides too
+        entry["proxy_error"] = proxy_error(W, res.values, H_in, H_out)
+        entry["rtn_proxy_error"] = proxy_error(W, res.rtn_values, H_in, H_out)
+    entry["two_sided"] = H_out is not None and not args.one_sided
+    scale, zero = _quantizer_tables(res.quantizer, W_hat.dtype)
+    codes = codes.astype(np.int8 if not args.asym else np.uint8)
+    arrays = {"codes": codes, "scale": scale, "W_hat": W_hat}
+    if zero is not None:
+        arrays["zero_point"] = zero
+    entry["seconds_total"] = time.perf_counter() - t0
+    return arrays, entry
+
+
+def _cmd_quantize(args) -> int:
+    from . import io
+
+    _check_options(args)
+    try:
+        files = io.find_layer_files(args.input)
+        io.check_output_path(args.out, [p for _, p in files])
+    except io.InputError as exc:
+        raise UsageError(str(exc)) from None
+    out = Path(os.path.abspath(args.out))
+    if (out.exists() or out.is_symlink()) and not args.force:
+        _err(f"bakron quantize: {out} already exists; use --force to replace it")
+        return EXIT_OUT_EXISTS
+    try:
+        xp, device = io.array_module(args.device)
+    except RuntimeError as exc:
+        raise Unavailable(str(exc)) from None
+
+    # 1. validate every input before any work
+    errors, infos = [], []
+    tx, ty = args.tile
+    for name, path in files:
+        try:
+            _tensors, info = io.read_layer(path, name)
+        except io.InputError as exc:
+            errors.append(str(exc))
+            continue
+        m, n = info.shape
+        if tx > m or ty > n:
+            errors.append(f"{path}: --tile {tx}x{ty} is larger than W ({m} x {n}); use a tile "
+                          f"no larger than the smallest layer")
+        infos.append(info)
+    if errors:
+        raise UsageError("invalid input:\n  " + "\n  ".join(errors))
+
+    # 2. quantize, writing into a temporary folder that becomes OUT at the end
+    quiet = args.quiet
+    report = {
+        "format_version": REPORT_FORMAT_VERSION, "tool": "bakron quantize",
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "versions": _versions(), "device": device, "input": os.path.abspath(args.input),
+        "output": str(out), "file_format": args.format,
+        "options": {"bits": args.bits, "scale": args.scale, "group_size": args.group_size,
+                    "symmetric": not args.asym, "scale_method": args.scale_method,
+                    "tile": list(args.tile), "method": args.method, "engine": args.engine,
+                    "damp": args.damp, "one_sided": args.one_sided},
+        "layers": [],
+    }
+    t_start = time.perf_counter()
+    failed = 0
+    try:
+        with io.atomic_output_dir(out, force=args.force) as tmp:
+            for i, info in enumerate(infos, 1):
+                m, n = info.shape
+                if not quiet:
+                    _err(f"[{i}/{len(infos)}] {info.name} ({m} x {n}"
+                         f"{', two-sided' if info.has_H_out and not args.one_sided else ''})")
+                entry = {"name": info.name, "input": os.path.abspath(info.path), "shape": [m, n],
+                         "dtype": info.dtype, "has_H_out": info.has_H_out,
+                         "ignored_tensors": info.ignored}
+                try:
+                    tensors, _ = io.read_layer(info.path, info.name)
+                    arrays, figures = _quantize_one(args, xp, tensors, info)
+                except (KeyboardInterrupt, MemoryError):
+                    raise
+                except Exception as exc:  # the layer fails, the run goes on
+                    failed += 1
+                    entry.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+                    report["layers"].append(entry)
+                    if not quiet:
+                        _err(f"    failed: {type(exc).__name__}: {exc}")
+                    continue
+                fname = f"{info.name}.{args.format}"
+                meta = {"bakron_version": report["versions"]["bakron"], "layer": info.name,
+                        "bits": args.bits, "symmetric": not args.asym,
+                        "granularity": args.scale, "group_size": args.group_size or ""}
+                t_w = time.perf_counter()
+                io.write_tensors(tmp / fname, arrays, args.format, metadata=meta)
+                figures["seconds_write"] = time.perf_counter() - t_w
+                entry.update(status="ok", output=fname, codes_dtype=str(arrays["codes"].dtype),
+                             scale_shape=list(arrays["scale"].shape), **figures)
+                report["layers"].append(entry)
+                if not quiet:
+                    _err(f"    proxy error {figures['proxy_error']:.4g} (RTN "
+                         f"{figures['rtn_proxy_error']:.4g}), {figures['seconds_total']:.2f} s")
+            report["summary"] = {"layers": len(infos), "ok": len(infos) - failed,
+                                 "failed": failed, "seconds": time.perf_counter() - t_start}
+            report["exit_code"] = EXIT_LAYER_FAILED if failed else EXIT_OK
+            io.atomic_write_json(tmp / REPORT_NAME, report)
+    except io.OutputExistsError as exc:
+        _err(f"bakron quantize: {exc}")
+        return EXIT_OUT_EXISTS
+    if not quiet:
+        print(_table(report))
+        print(f"wrote {out} ({len(infos) - failed} of {len(infos)} layers"
+              f"{', ' + str(failed) + ' failed' if failed else ''})")
+    return EXIT_LAYER_FAILED if failed else EXIT_OK
+
+
+def _table(report: dict) -> str:
+    rows = [("layer", "shape", "sides", "proxy", "proxy 1-sided", "RTN", "RTN 1-sided",
+             "damp in/out", "seconds")]
+    for e in report["layers"]:
+        shape = "x".join(str(s) for s in e["shape"])
+        if e["status"] != "ok":
+            rows.append((e["name"], shape, "", "FAILED", "", "", "", "", ""))
+            continue
+        damp = f"{e['damp_in']:.3g}/" + ("-" if e["damp_out"] is None else f"{e['damp_out']:.3g}")
+        rows.append((e["name"], shape, "2" if e["two_sided"] else "1",
+                     f"{e['proxy_error']:.4g}", f"{e['proxy_error_one_sided']:.4g}",
+                     f"{e['rtn_proxy_error']:.4g}", f"{e['rtn_proxy_error_one_sided']:.4g}",
+                     damp, f"{e['seconds_total']:.3f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

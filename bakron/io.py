@@ -1,0 +1,416 @@
+"""Reading layer files, writing results, and atomic output (used by ``bakron quantize``).
+
+Input layer files
+-----------------
+A layer file is ``.npz`` or ``.safetensors`` and holds
+
+- ``W`` (m, n): the weights, float16/bfloat16/float32/float64 (float16 and bfloat16 are
+  computed in float32);
+- ``H_in`` (n, n): the input-side Hessian factor;
+- ``H_out`` (m, m), optional: the output-side factor.
+
+Other tensors are ignored (and listed in the report). A *layer folder* is a folder of such
+files (not searched recursively); each file's name without its suffix is the layer name.
+
+Output
+------
+:func:`atomic_output_dir` builds the output folder in a temporary folder next to it and
+renames it into place only when everything has been written and flushed to disk, so an
+interrupted run never leaves a partial output folder. :func:`read_tensors`,
+:func:`write_tensors` and :func:`dequantize` are reusable by other runners.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import _safetensors
+
+__all__ = [
+    "LAYER_SUFFIXES", "InputError", "OutputExistsError", "LayerInfo", "find_layer_files",
+    "read_tensors", "read_layer", "validate_layer", "write_tensors", "dequantize",
+    "atomic_output_dir", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
+    "fsync_tree", "check_output_path", "array_module",
+]
+
+LAYER_SUFFIXES = (".npz", ".safetensors")
+FORMATS = ("safetensors", "npz")
+_FLOATS = (np.float16, np.float32, np.float64)
+
+
+class InputError(ValueError):
+    """An input file or folder is missing, unreadable or holds invalid data."""
+
+
+class OutputExistsError(FileExistsError):
+    """The output path exists and overwriting was not allowed."""
+
+
+# -- reading ------------------------------------------------------------------------------
+
+def read_tensors(path) -> dict[str, np.ndarray]:
+    """All arrays of an ``.npz`` or ``.safetensors`` file, as numpy arrays (never pickles).
+
+    Raises :class:`InputError` with the path in the message when the file is missing,
+    has another suffix, or cannot be parsed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix == ".npz":
+        try:
+            with np.load(path, allow_pickle=False) as d:
+                return {k: np.array(d[k]) for k in d.files}
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise InputError(f"{path}: not a readable .npz file ({exc})") from None
+        except ValueError as exc:  # object arrays need pickle, which we never allow
+            raise InputError(f"{path}: cannot be read without pickle ({exc}); store plain "
+                             f"numeric arrays") from None
+    if suffix == ".safetensors":
+        try:
+            return _safetensors.load(path)
+        except (ValueError, KeyError, OSError) as exc:
+            msg = str(exc)
+            raise InputError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+    raise InputError(f"{path}: unsupported file type {path.suffix!r}; a layer file must end "
+                     f"in {' or '.join(LAYER_SUFFIXES)}")
+
+
+def find_layer_files(path) -> list[tuple[str, Path]]:
+    """``[(layer name, file)]`` for a layer file or a folder of layer files (sorted by name).
+
+    A folder is not searched recursively; files with other suffixes and hidden files are
+    skipped. Raises :class:`InputError` for a missing path, a folder without layer files, or
+    two files with the same layer name (``a.npz`` and ``a.safetensors``).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder")
+    if path.is_file():
+        if path.suffix.lower() not in LAYER_SUFFIXES:
+            raise InputError(f"{path}: unsupported file type {path.suffix!r}; a layer file must "
+                             f"end in {' or '.join(LAYER_SUFFIXES)}")
+        return [(path.stem, path)]
+    if not path.is_dir():
+        raise InputError(f"{path}: neither a file nor a folder")
+    found: dict[str, Path] = {}
+    for p in sorted(path.iterdir()):
+        if p.name.startswith(".") or not p.is_file() or p.suffix.lower() not in LAYER_SUFFIXES:
+            continue
+        if p.stem in found:
+            raise InputError(f"{path}: two files for layer {p.stem!r} ({found[p.stem].name} and "
+                             f"{p.name}); keep one")
+        found[p.stem] = p
+    if not found:
+        raise InputError(f"{path}: folder holds no layer files (*.npz or *.safetensors)")
+    return sorted(found.items())
+
+
+@dataclass
+class LayerInfo:
+    """What :func:`validate_layer` found in a layer file."""
+
+    name: str
+    path: Path
+    shape: tuple[int, int]
+    dtype: str
+    has_H_out: bool
+    ignored: list[str] = field(default_factory=list)
+
+
+def _check_float(path, key, a):
+    if a.dtype not in _FLOATS:
+        raise InputError(f"{path}: {key} must be a floating-point array (float16, bfloat16, "
+                         f"float32 or float64), got dtype {a.dtype}")
+
+
+def _check_finite(path, key, a):
+    if not np.all(np.isfinite(a)):
+        bad = int(np.count_nonzero(~np.isfinite(a)))
+        raise InputError(f"{path}: {key} contains {bad} NaN or Inf entr"
+                         f"{'y' if bad == 1 else 'ies'}")
+
+
+def _check_factor(path, key, H, size, what, other_key, other_size):
+    if H.ndim != 2 or H.shape[0] != H.shape[1]:
+        raise InputError(f"{path}: {key} must be a square 2-D array, got shape {H.shape}")
+    if H.shape[0] != size:
+        hint = ""
+        if H.shape[0] == other_size and size != other_size:
+            hint = f"; it matches the other side: are {key} and {other_key} swapped?"
+        raise InputError(f"{path}: {key} has shape {H.shape} but W has {size} {what}, so {key} "
+                         f"must be {size} x {size}{hint}")
+    _check_float(path, key, H)
+    _check_finite(path, key, H)
+    H64 = H.astype(np.float64)
+    big = float(np.max(np.abs(H64)))
+    asym = float(np.max(np.abs(H64 - H64.T)))
+    if asym > 1e-5 * max(big, 1e-300):
+        raise InputError(f"{path}: {key} is not symmetric (max |{key} - {key}.T| = {asym:.3g}, "
+                         f"largest entry {big:.3g}); a Hessian factor must be symmetric")
+    if np.any(np.diagonal(H64) < 0):
+        raise InputError(f"{path}: {key} has negative diagonal entries: it is not positive "
+                         f"semi-definite")
+    if not np.any(np.diagonal(H64) > 0):
+        raise InputError(f"{path}: {key} has an all-zero diagonal: there is no signal to weigh "
+                         f"the errors by")
+
+
+def validate_layer(tensors: dict, path, name: str | None = None) -> LayerInfo:
+    """Check the arrays of one layer file; raise :class:`InputError` naming file and tensor."""
+    path = Path(path)
+    for key in ("W", "H_in"):
+        if key not in tensors:
+            have = ", ".join(sorted(tensors)) or "nothing"
+            raise InputError(f"{path}: missing tensor {key!r} (a layer file needs 'W' and "
+                             f"'H_in', optionally 'H_out'; found: {have})")
+    W = tensors["W"]
+    if W.ndim != 2:
+        raise InputError(f"{path}: W must be a 2-D array (outputs x inputs), got shape {W.shape}")
+    if 0 in W.shape:
+        raise InputError(f"{path}: W is empty (shape {W.shape})")
+    _check_float(path, "W", W)
+    _check_finite(path, "W", W)
+    m, n = W.shape
+    _check_factor(path, "H_in", tensors["H_in"], n, "columns (inputs)", "H_out", m)
+    has_out = "H_out" in tensors
+    if has_out:
+        _check_factor(path, "H_out", tensors["H_out"], m, "rows (outputs)", "H_in", n)
+    ignored = sorted(k for k in tensors if k not in ("W", "H_in", "H_out"))
+    return LayerInfo(name=name or path.stem, path=path, shape=(m, n), dtype=str(W.dtype),
+                     has_H_out=has_out, ignored=ignored)
+
+
+def read_layer(path, name: str | None = None) -> tuple[dict, LayerInfo]:
+    """Read and validate one layer file: ``({'W', 'H_in'[, 'H_out']}, LayerInfo)``.
+
+    float16 arrays are returned as float32 (bfloat16 already is). The file is opened read-only.
+    """
+    tensors = read_tensors(path)
+    info = validate_layer(tensors, path, name)
+    out = {}
+    for k in ("W", "H_in", "H_out"):
+        if k in tensors:
+            a = tensors[k]
+            out[k] = a.astype(np.float32) if a.dtype == np.float16 else a
+    return out, info
+
+
+# -- writing ------------------------------------------------------------------------------
+
+def write_tensors(path, tensors: dict, fmt: str | None = None, metadata: dict | None = None):
+    """Write numpy arrays to ``path`` as safetensors or npz (by ``fmt`` or the suffix).
+
+    A plain write: call it inside :func:`atomic_output_dir` (or write to a temporary name
+    and rename) when the result must appear atomically. ``metadata`` (strings) goes into the
+    safetensors header; npz files store it as a JSON string array ``__metadata__``.
+    """
+    path = Path(path)
+    fmt = fmt or path.suffix.lstrip(".").lower()
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    if fmt == "safetensors":
+        _safetensors.save(path, arrays, metadata)
+    elif fmt == "npz":
+        if metadata:
+            arrays["__metadata__"] = np.array(json.dumps({str(k): str(v)
+                                                          for k, v in metadata.items()}))
+        with open(path, "wb") as f:  # a file object: np.savez must not append '.npz'
+            np.savez(f, **arrays)
+    else:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+
+
+def dequantize(codes, scale, zero_point=None, group_size: int | None = None, dtype=None):
+    """Weights from stored codes: ``scale * (codes - zero_point)`` per element.
+
+    ``scale`` (and ``zero_point``) are the 2-D tables that ``bakron quantize`` writes:
+    ``(1, 1)`` per tensor, ``(m, 1)`` per row, ``(m, ceil(n / group_size))`` per group.
+    With ``dtype`` equal to the stored weights' dtype this reproduces ``W_hat`` exactly.
+    """
+    codes = np.asarray(codes)
+    scale = np.asarray(scale)
+    dtype = np.dtype(dtype or scale.dtype)
+    m, n = codes.shape
+
+    def expand(t):
+        t = np.asarray(t).astype(dtype)
+        t = t.reshape(1, 1) if t.ndim == 0 else t
+        if t.shape[1] > 1:  # per group: column j uses entry j // group_size
+            if group_size is None:
+                raise ValueError("a per-group table needs group_size")
+            t = np.repeat(t, group_size, axis=1)[:, :n]
+        return t
+
+    c = codes.astype(dtype)
+    s = expand(scale)
+    return s * c if zero_point is None else s * (c - expand(zero_point))
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # e.g. directories on platforms that cannot open them
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root) -> None:
+    """Flush every file and folder under ``root`` (and ``root`` itself) to disk."""
+    root = Path(root)
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for f in files:
+            _fsync_path(Path(dirpath) / f)
+        _fsync_path(Path(dirpath), directory=True)
+
+
+def check_output_path(out, inputs=()) -> Path:
+    """Refuse an output path that is, or would contain, one of the input files.
+
+    Returns the absolute output path; raises :class:`InputError` (so that a ``--force``
+    replacement can never delete an input).
+    """
+    out_abs = Path(os.path.abspath(out))
+    out_real = Path(os.path.realpath(out))
+    for p in inputs:
+        p_real = Path(os.path.realpath(p))
+        if p_real == out_real or out_real in p_real.parents:
+            raise InputError(f"output {out} would contain or replace the input {p}; choose "
+                             f"another output folder")
+    return out_abs
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out, *, force: bool = False):
+    """Build the folder ``out`` atomically.
+
+    Yields a fresh temporary folder next to ``out`` (same file system, hidden name
+    ``.NAME.tmp-*``). When the ``with`` block ends normally, every file in it is flushed to
+    disk and the folder is renamed to ``out``; if the block raises (or is interrupted), the
+    temporary folder is removed and ``out`` is untouched. An existing ``out`` raises
+    :class:`OutputExistsError` unless ``force=True``, in which case it is replaced only after
+    the new folder is complete (moved aside, then deleted). A process killed outright can
+    leave a ``.NAME.tmp-*`` folder behind, never a partial ``out``.
+    """
+    out = Path(os.path.abspath(out))
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise OutputExistsError(f"{out} already exists; use --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; OUT is an ordinary folder
+        yield tmp
+        fsync_tree(tmp)
+        if out.exists() or out.is_symlink():
+            if not force:  # appeared while we were working
+                raise OutputExistsError(f"{out} already exists; use --force to replace it")
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "old")
+            os.rename(tmp, out)
+            _remove(old)
+        else:
+            os.rename(tmp, out)
+        _fsync_path(out.parent, directory=True)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_path(path.parent, directory=True)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path, text: str) -> None:
+    """:func:`atomic_write_bytes` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path, obj) -> None:
+    """:func:`atomic_write_text` of ``obj`` as indented JSON (NaN written as null)."""
+    atomic_write_text(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        f = float(obj)
+        return f if np.isfinite(f) else None
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+# -- devices ------------------------------------------------------------------------------
+
+def array_module(device: str = "auto"):
+    """``(xp, name)`` for ``device`` in ``auto | cpu | gpu``.
+
+    ``cpu`` is numpy; ``gpu`` is cupy and raises ``RuntimeError`` when cupy or a CUDA device is
+    missing; ``auto`` is cupy when it imports and sees a device, else numpy.
+    """
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+    if device == "cpu":
+        return np, "cpu"
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy, "gpu"
+        why = "cupy sees no CUDA device"
+    except Exception as exc:  # ImportError, CUDA driver errors
+        why = f"cupy is not usable ({type(exc).__name__}: {exc})"
+    if device == "gpu":
+        raise RuntimeError(f"device='gpu' but {why}; install bakron[cuda12] or bakron[cuda13] "
+                           f"on a machine with a GPU, or use --device cpu")
+    return np, "cpu"
