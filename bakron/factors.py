@@ -60,7 +60,8 @@ def _ldl_from_cholesky(xp, C, block: int):
     for k in range(nb):
         sl = slice(k * block, (k + 1) * block)
         D[sl, sl] = Dblk[k, ...]
-        A[sl, sl] = 0.0  # the diagonal blocks of L are exactly the identity
+        sa = slice(k * block, min((k + 1) * block, n))
+        A[sa, sa] = 0.0  # the diagonal blocks of L are exactly the identity
     A = xp.tril(A)
     return A, D[:n, :n]
 
@@ -178,7 +179,7 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
         scale = float(xp.sum(diag)) / live  # mean over live channels
         H64 = H64 / scale
     if live < n:
-        if bool(xp.any(H64[dead_mask, :] != 0)):
+        if bool(xp.any(dead_mask & (xp.sum(xp.abs(H64), axis=1) > 0))):
             raise ValueError(f"{name} has zero diagonal entries with non-zero off-diagonal "
                              f"entries: it is not positive semi-definite")
         H64 = H64 + _diag_matrix(xp, xp.astype(dead_mask, xp.float64))
