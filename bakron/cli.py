@@ -9,6 +9,8 @@ Exit codes (stable; scripts may rely on them):
 3    ``quantize``: the output folder exists and ``--force`` was not given; nothing was written
 4    a part that the command needs is not available (an optional dependency, a demo model,
      ``bakron.bench``, a GPU for ``--device gpu``)
+5    ``quantize``: the output could not be written (I/O error such as a full disk); no
+     partial output folder is left
 130  interrupted (Ctrl-C); a ``quantize`` output folder is not left behind
 ===  =========================================================================================
 """
@@ -26,13 +28,14 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["main", "EXIT_OK", "EXIT_LAYER_FAILED", "EXIT_USAGE", "EXIT_OUT_EXISTS",
-           "EXIT_UNAVAILABLE", "EXIT_INTERRUPTED"]
+           "EXIT_UNAVAILABLE", "EXIT_WRITE_FAILED", "EXIT_INTERRUPTED"]
 
 EXIT_OK = 0
 EXIT_LAYER_FAILED = 1
 EXIT_USAGE = 2
 EXIT_OUT_EXISTS = 3
 EXIT_UNAVAILABLE = 4
+EXIT_WRITE_FAILED = 5
 EXIT_INTERRUPTED = 130
 
 DEFAULT_DEMO_OUT = "bakron-demo"
@@ -117,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="bakron", description="Fast two-sided second-order rounding for "
                 "post-training quantization.", epilog="Exit codes: 0 ok, 1 a layer failed, "
                 "2 usage/validation error, 3 output exists, 4 missing component, "
-                "130 interrupted.")
+                "5 output not written (I/O error), 130 interrupted.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="{demo,quantize,bench}", parser_class=_Parser)
 
@@ -415,6 +418,10 @@ def _cmd_quantize(args) -> int:
     except io.OutputExistsError as exc:
         _err(f"bakron quantize: {exc}")
         return EXIT_OUT_EXISTS
+    except OSError as exc:
+        state = "is unchanged" if out.exists() else "was not created"
+        _err(f"bakron quantize: could not write the output ({exc}); {out} {state}")
+        return EXIT_WRITE_FAILED
     if not quiet:
         print(_table(report))
         print(f"wrote {out} ({len(infos) - failed} of {len(infos)} layers"

@@ -67,6 +67,10 @@ def read_tensors(path) -> dict[str, np.ndarray]:
         raise InputError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix == ".npz":
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic[:2] != b"PK":  # np.load would try to unpickle anything that is not a zip/npy
+            raise InputError(f"{path}: not a readable .npz file (it is not a zip archive)")
         try:
             with np.load(path, allow_pickle=False) as d:
                 return {k: np.array(d[k]) for k in d.files}
