@@ -1,1 +1,48 @@
-"""Global Hessians: Kronecker factors of the end-to-end loss (SPEC §6)."""
+"""Global Hessians: Kronecker factors of the end-to-end loss (SPEC §6).
+
+A network is a chain of *stages* ending in a *head* (the loss). ``global_factors`` runs the
+chain over calibration batches and returns, for every linear layer, the Kronecker factors
+``H_in`` (n x n) and ``H_out`` (m x m) of the Fisher of the loss with respect to that layer's
+weight (``H ~ H_out ⊗ H_in``, row-major ``vec``), within a memory budget.
+
+Usage (numpy or cupy; the digits MLP of ``bakron demo``)::
+
+    import bakron.hessian as bh
+
+    stages = [
+        bh.Linear(W1, b1, name="fc1"), bh.ReLU(),
+        bh.Linear(W2, b2, name="fc2"), bh.GELU(),
+        bh.Linear(W3, b3, name="out"),
+        bh.SoftmaxCrossEntropy(),          # labels drawn from the model's own softmax (Fisher)
+    ]
+    factors, report = bh.global_factors(stages, X_calib, batch_size=256,
+                                        budget_bytes=None, refine_iters=0, seed=0)
+    H_in, H_out = factors["fc1"]           # float64 arrays of the input's namespace
+    print(report)                          # passes, stage evaluations, peak memory
+
+- ``X_calib`` is one array ``(N, features)`` or ``(N, T, features)`` (split into batches of
+  ``batch_size``), or a list of such batches. The labels of the head are drawn with a generator
+  seeded by ``(seed, batch index)``, so every pass (and every budget) sees the same labels.
+- ``budget_bytes=None`` keeps everything (one pass, all activations stored). With a budget the
+  driver checkpoints activations (binomial schedule, or ``checkpoint="bisection"`` /
+  ``"store_all"``) and, when the factor buffers of all layers do not fit, bisects the layer
+  range with cached boundary states. The factors are the same for every budget.
+- ``refine_iters=k`` runs k power-iteration steps towards the nearest Kronecker product of the
+  Fisher (``refine="token"`` or ``"sequence"``; 2 extra passes each).
+- ``weights=`` (one array per batch, shape ``(B,)`` or ``(B, T)``) weighs samples or tokens.
+
+Building blocks:
+
+- stages: :class:`Linear`, :class:`Bias`, :class:`ReLU`, :class:`GELU` (exact erf),
+  :class:`LayerNorm`, :class:`Residual` (a stage holding a sub-chain), and the head
+  :class:`SoftmaxCrossEntropy`. A custom stage implements ``out_shape``, ``forward``, ``vjp``
+  and ``linears`` (see :mod:`bakron.hessian.stages`).
+- :class:`FactorAccumulator`: streaming float64 second moments with weights, sequence
+  updates and a fixed-order ``merge`` (shards combine reproducibly).
+- checkpoint schedules and their cost formulas: :func:`reversal_cost`,
+  :func:`binomial_cost`, :func:`bisection_cost`, :func:`bisection_slots`.
+- test references: :func:`exact_fisher` (brute force, mn x mn) and
+  :func:`nearest_kronecker` (Van Loan–Pitsianis).
+
+See ``docs/hessian.md`` for the mathematics and the schedules.
+"""
