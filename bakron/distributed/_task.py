@@ -1,0 +1,195 @@
+"""The body of one layer task: read the inputs, solve, publish the layer file write-once.
+
+The same function runs in-process (``client=None``) and on Dask workers, so the two give the
+same bytes. Errors in the *inputs or settings* (bad shapes, NaNs, an indefinite factor, a missing
+tensor) are returned as ``status="failed"`` records instead of raised: retrying them elsewhere
+cannot help. Anything else (out of memory, a CUDA error, an I/O error) is raised, so that Dask's
+``retries`` can run the task again on another worker.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import numpy as np
+
+from ._jobs import LayerJob, canonical_settings, load_tensor
+from ._outputs import layer_path, now_iso, verify_layer_file, write_layer_file
+
+__all__ = ["run_job", "InputError"]
+
+#: exceptions that mean "this layer's inputs or settings are bad": reported, not retried
+_INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, IsADirectoryError)
+
+
+class InputError(ValueError):
+    """An input changed or does not fit (reported as a failed layer, never retried)."""
+
+
+def _worker_info() -> dict:
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "worker": "in-process"}
+    try:
+        from distributed import get_worker
+
+        info["worker"] = get_worker().address
+    except Exception:  # not inside a Dask worker (or distributed not installed)
+        pass
+    return info
+
+
+def _cuda_available() -> bool:
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None and vis.strip() in ("", "-1"):
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _device(setting: str):
+    """(xp module or None for numpy, description)."""
+    if setting == "cpu" or (setting == "auto" and not _cuda_available()):
+        return None, "cpu"
+    if setting == "cuda" and not _cuda_available():
+        raise RuntimeError("device='cuda' but this worker sees no CUDA device (cupy missing or "
+                           f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    import cupy
+
+    dev = cupy.cuda.Device()
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    try:
+        name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    except Exception:
+        name = "GPU"
+    return cupy, f"cuda:{dev.id} ({name}; CUDA_VISIBLE_DEVICES={vis or 'unset'})"
+
+
+def _as_sym(a: np.ndarray, n: int, what: str, allow_diag: bool):
+    """A factor as (dense matrix or None, diagonal vector or None)."""
+    from ..factor_files import unpack_upper
+
+    if a.ndim == 2:
+        if a.shape != (n, n):
+            raise InputError(f"{what} has shape {a.shape} but W needs {n} x {n}")
+        return a, None
+    if a.ndim == 1:
+        if a.shape[0] == n * (n + 1) // 2 and n > 1:
+            return unpack_upper(a, n), None
+        if a.shape[0] == n and allow_diag:
+            return None, a
+        raise InputError(f"{what} is 1-D of length {a.shape[0]}: neither a packed triangle "
+                         f"({n * (n + 1) // 2}) nor{' a diagonal' if allow_diag else ''} ({n})")
+    raise InputError(f"{what} must be a matrix, a packed triangle or a diagonal, got shape "
+                     f"{a.shape}")
+
+
+def _codes_dtype(q):
+    lo, hi = q.code_range
+    for dt in (np.int8, np.uint8, np.int16):
+        if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
+            return dt
+    return np.int32
+
+
+def run_job(job: LayerJob, out_dir: str, file_stem: str, key: str,
+            checksums: dict | None = None) -> dict:
+    """Run one layer job; see the module docstring. Returns a JSON-friendly record."""
+    t_start = time.perf_counter()
+    info = _worker_info()
+    rec = {"name": job.name, "key": key, **info, "started": now_iso()}
+    final = layer_path(out_dir, file_stem)
+    ok, _, checksum, meta = verify_layer_file(final, key)
+    if ok:  # a twin (or an earlier attempt on a worker that then died) already wrote it
+        return dict(rec, status="done", wrote=False, checksum=checksum,
+                    device=meta.get("device"), worker_written=meta.get("worker"),
+                    damp_in=_f(meta.get("damp_in")), damp_out=_f(meta.get("damp_out")),
+                    proxy_error=_f(meta.get("proxy_error")),
+                    rtn_proxy_error=_f(meta.get("rtn_proxy_error")),
+                    seconds=time.perf_counter() - t_start, finished=now_iso())
+    try:
+        return _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start)
+    except _INPUT_ERRORS as exc:
+        return dict(rec, status="failed", error=f"{type(exc).__name__}: {exc}",
+                    traceback=traceback.format_exc(limit=6), finished=now_iso(),
+                    seconds=time.perf_counter() - t_start)
+
+
+def _f(x):
+    return None if x in (None, "None", "") else float(x)
+
+
+def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
+    from .. import __version__
+    from ..factor_files import quantize_layer_diag_out
+    from ..layer import quantize_layer
+
+    s = canonical_settings(job.settings)
+    W, cW = load_tensor(job.W)
+    H_in, cI = load_tensor(job.H_in)
+    H_out, cO = load_tensor(job.H_out) if job.H_out is not None else (None, None)
+    if checksums is not None:  # the driver's key was made from these: refuse changed inputs
+        for name, got in (("W", cW), ("H_in", cI), ("H_out", cO)):
+            if name in checksums and checksums[name] != got:
+                raise InputError(f"{name} ({getattr(job, name)}) changed since the run started "
+                                 f"(checksum {got[:19]}... != {checksums[name][:19]}...)")
+    if W.ndim != 2:
+        raise InputError(f"W must be 2-D, got shape {W.shape}")
+    m, n = W.shape
+    if W.dtype not in (np.float32, np.float64):
+        W = W.astype(np.float32)
+    if s["dtype"] is not None:
+        W = W.astype(s["dtype"])
+    H_in, _ = _as_sym(H_in, n, "H_in", allow_diag=False)
+    Ho_dense = Ho_diag = None
+    if H_out is not None:
+        Ho_dense, Ho_diag = _as_sym(H_out, m, "H_out", allow_diag=True)
+
+    xp, device = _device(s["device"])
+    to = (lambda a: a) if xp is None else (lambda a: None if a is None else xp.asarray(a))
+    kw = dict(bits=s["bits"], tile=tuple(s["tile"]), method=s["method"], engine=s["engine"],
+              damp=s["damp"], symmetric=s["symmetric"], granularity=s["granularity"],
+              group_size=s["group_size"], scale_method=s["scale_method"])
+    if Ho_diag is not None:
+        res = quantize_layer_diag_out(to(W), to(H_in), to(Ho_diag), **kw)
+    else:
+        res = quantize_layer(to(W), to(H_in), to(Ho_dense), **kw)
+    from .._xp import to_numpy
+
+    q = res.quantizer
+    tensors = {"values": to_numpy(res.values).astype(W.dtype, copy=False),
+               "codes": to_numpy(res.codes).astype(_codes_dtype(q)),
+               "scale": np.asarray(to_numpy(q.scale) if hasattr(q.scale, "shape") else q.scale,
+                                   dtype=np.float64)}
+    if not q.symmetric:
+        zp = 2 ** (q.bits - 1) if q.zero_point is None else q.zero_point
+        tensors["zero_point"] = np.asarray(to_numpy(zp) if hasattr(zp, "shape") else zp,
+                                           dtype=np.float64)
+    summary = res.summary()
+    meta = {"name": job.name, "key": key, "bakron_version": __version__,
+            "settings": canonical_settings(s), "shape": [m, n],
+            "two_sided": H_out is not None, "h_out_diagonal": Ho_diag is not None,
+            "worker": rec["worker"], "host": rec["host"], "device": device,
+            "created": now_iso(), **{k: summary[k] for k in (
+                "method", "engine", "proxy_error", "proxy_error_one_sided", "rtn_proxy_error",
+                "damp_in", "damp_out", "seconds_factor", "seconds_solve")}}
+    meta_s = {k: (v if isinstance(v, str) else _json(v)) for k, v in meta.items()}
+    path, checksum, wrote = write_layer_file(
+        out_dir, file_stem, tensors, meta_s,
+        journal={"name": job.name, "key": key, "worker": rec["worker"], "pid": rec["pid"],
+                 "host": rec["host"], "time": now_iso()})
+    return dict(rec, status="done", wrote=wrote, checksum=checksum, device=device,
+                damp_in=summary["damp_in"], damp_out=summary["damp_out"],
+                proxy_error=summary["proxy_error"], rtn_proxy_error=summary["rtn_proxy_error"],
+                method=summary["method"], engine=summary["engine"],
+                seconds=time.perf_counter() - t_start, finished=now_iso())
+
+
+def _json(v) -> str:
+    import json
+
+    return json.dumps(v, sort_keys=True)
