@@ -6,30 +6,36 @@ import sys
 
 from ._jobs import jobs_from_path
 from ._outputs import LockHeld
-from ._run import EXIT_LOCKED, EXIT_USAGE, run_layers
+from ._run import (EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_UNAVAILABLE, EXIT_USAGE,
+                   EXIT_WRITE_FAILED, run_layers)
 
 __all__ = ["quantize_folder"]
 
 
 def _err(msg: str) -> None:
-    print(f"bakron: error: {msg}", file=sys.stderr, flush=True)
+    print(f"bakron quantize: {msg}", file=sys.stderr, flush=True)
 
 
 def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int = 0,
-                    workers: int = 0, retries: int = 2, progress: bool = True,
-                    quiet: bool = False, **settings) -> int:
-    """Quantize a layer file or a folder of layer files into ``out_dir``; returns an exit code.
+                    workers: int = 0, retries: int = 2, quiet: bool = False,
+                    **settings) -> int:
+    """Quantize a layer file or a folder of layer files into ``out_dir``; return an exit code.
 
-    ``scheduler``: address of a running Dask scheduler (``tcp://host:8786``) -- its workers must
-    see the same file paths; ``gpus``: start a local cluster with one worker per GPU (N GPUs);
-    ``workers``: start a local CPU cluster of that many processes; none of them: run in this
-    process. ``settings`` are the solve settings (``bits``, ``tile``, ``method``, ``engine``,
-    ``damp``, ``symmetric``, ``granularity``, ``group_size``, ``scale_method``, ``device``,
-    ``dtype``). Re-running with the same OUT resumes: only missing or invalid layers are solved.
+    ``scheduler``: address of a running Dask scheduler (``tcp://host:8786``), whose workers
+    must see the same paths; ``gpus=N``: start a loopback cluster with one worker per GPU (the
+    first N visible); ``workers=N``: a loopback CPU cluster of N processes; none of them: run in
+    this process. ``settings`` are the solve settings of :data:`DEFAULT_SETTINGS` (``bits``,
+    ``tile``, ``method``, ``engine``, ``damp``, ``symmetric``, ``granularity``,
+    ``group_size``, ``scale_method``, ``device``, ``dtype``, ``one_sided``).
 
-    Exit codes: 0 all layers done; 1 some layers failed (the others are written, see
-    ``OUT/manifest.json``); 2 bad input, settings or options; 3 OUT is in use by another
-    driver.
+    OUT is resumable: run the same command again and only missing or invalid layers are
+    solved. A non-empty OUT that is not a bakron output folder is refused.
+
+    Exit codes (those of ``bakron quantize``): 0 every layer done; 1 some layers failed (the
+    others are written; ``OUT/manifest.json`` says which and why); 2 bad input, settings or
+    options (nothing solved); 3 OUT is in use by another driver; 4 Dask, or the GPUs asked
+    for, are not available; 5 the output could not be written (I/O error); 130 interrupted
+    (finished layers are kept; re-run to resume).
     """
     if sum(bool(x) for x in (scheduler, gpus, workers)) > 1:
         _err("give at most one of --scheduler, --gpus and --workers")
@@ -46,43 +52,54 @@ def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not (
             os.path.exists(os.path.join(out_dir, "manifest.json"))
             or os.path.isdir(os.path.join(out_dir, ".bakron"))):
-        _err(f"--out {out_dir} is a non-empty folder that is not a bakron output; choose an "
-             f"empty or new folder (an earlier bakron output folder is resumed)")
+        _err(f"{out_dir} is a non-empty folder that is not a bakron output; choose an empty "
+             f"or new folder (an earlier distributed bakron output folder is resumed)")
         return EXIT_USAGE
     client = cluster = None
     if scheduler or gpus or workers:
         try:
             from distributed import Client
         except ImportError:
-            _err("--scheduler/--gpus/--workers need Dask: pip install 'bakron[dask]'")
-            return EXIT_USAGE
+            _err("--scheduler/--gpus need Dask: pip install 'bakron[dask]'")
+            return EXIT_UNAVAILABLE
         from .cluster import cpu_cluster, gpu_cluster
 
         try:
             if scheduler:
                 client = Client(scheduler, timeout="30s")
+            elif gpus:
+                cluster = gpu_cluster(int(gpus))
             else:
-                cluster = gpu_cluster(int(gpus)) if gpus else cpu_cluster(int(workers))
+                cluster = cpu_cluster(int(workers))
+            if cluster is not None:
                 client = Client(cluster)
-        except (ValueError, OSError, TimeoutError) as exc:
+        except ValueError as exc:  # e.g. fewer GPUs visible than asked for
+            _err(str(exc))
+            return EXIT_UNAVAILABLE
+        except (OSError, TimeoutError) as exc:
             _err(f"cannot start or reach the Dask cluster: {exc}")
             if cluster is not None:
                 cluster.close()
-            return EXIT_USAGE
+            return EXIT_UNAVAILABLE
     try:
-        res = run_layers(jobs, out_dir, client, retries=retries,
-                         progress=progress and not quiet)
+        res = run_layers(jobs, out_dir, client, retries=retries, progress=not quiet)
     except LockHeld as exc:
         _err(str(exc))
         return EXIT_LOCKED
+    except KeyboardInterrupt:
+        _err("interrupted; finished layers are kept, run the same command again to resume")
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        _err(f"could not write the output ({exc}); finished layers are kept")
+        return EXIT_WRITE_FAILED
     finally:
         if client is not None:
             client.close()
         if cluster is not None:
             cluster.close()
     if not quiet:
-        print(f"bakron: {res.summary()}; manifest: {os.path.join(out_dir, 'manifest.json')}",
-              file=sys.stderr)
+        print(f"bakron quantize: {res.summary()}; manifest: "
+              f"{os.path.join(out_dir, 'manifest.json')}", file=sys.stderr)
         for name, err in res.failed.items():
-            print(f"bakron: layer {name} failed: {err}", file=sys.stderr)
+            print(f"bakron quantize: layer {name} failed: {err}", file=sys.stderr)
     return res.exit_code

@@ -26,14 +26,14 @@ JOB_FORMAT = 1
 DEFAULT_SETTINGS: dict[str, Any] = {
     "bits": 4, "tile": [16, 16], "method": "auto", "engine": "auto", "damp": 0.01,
     "symmetric": True, "granularity": "row", "group_size": None, "scale_method": "rms",
-    "device": "auto", "dtype": None,
+    "device": "auto", "dtype": None, "one_sided": False,
 }
 _CHOICES = {
     "method": ("auto", "naive", "antidiagonal", "recursive"),
     "engine": ("auto", "array_api", "numba", "cuda"),
     "granularity": ("tensor", "row", "group"),
     "scale_method": None,  # validated by UniformQuantizer.fit
-    "device": ("auto", "cpu", "cuda"),
+    "device": ("auto", "cpu", "gpu"),
     "dtype": (None, "float32", "float64"),
 }
 
@@ -67,6 +67,9 @@ def canonical_settings(settings: Mapping | None = None) -> dict:
         raise ValueError(f"damp must be >= 0, got {s['damp']!r}")
     s["damp"] = d
     s["symmetric"] = bool(s["symmetric"])
+    s["one_sided"] = bool(s["one_sided"])
+    if s["device"] == "cuda":
+        s["device"] = "gpu"
     if s["group_size"] is not None:
         g = int(s["group_size"])
         if g != s["group_size"] or g < 1:

@@ -13,10 +13,13 @@ from ._outputs import (OutputLock, clean_tmp, layer_path, now_iso, quarantine, r
                        verify_layer_file, write_manifest)
 from ._task import run_job
 
-__all__ = ["run_layers", "RunResult", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_LOCKED"]
+__all__ = ["run_layers", "RunResult", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_LOCKED",
+           "EXIT_UNAVAILABLE", "EXIT_WRITE_FAILED", "EXIT_INTERRUPTED"]
 
-#: exit codes of :func:`quantize_folder` / ``bakron quantize`` in distributed mode
+#: exit codes of :func:`quantize_folder`, the same table as ``bakron quantize`` (bakron.cli);
+#: 3 means here "OUT is held by another driver"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
+EXIT_UNAVAILABLE, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 4, 5, 130
 
 _RECORD_KEYS = ("key", "file", "checksum", "status", "worker", "device", "host", "pid",
                 "seconds", "started", "finished", "damp_in", "damp_out", "proxy_error",

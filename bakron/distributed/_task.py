@@ -55,8 +55,8 @@ def _device(setting: str):
     """(xp module or None for numpy, description)."""
     if setting == "cpu" or (setting == "auto" and not _cuda_available()):
         return None, "cpu"
-    if setting == "cuda" and not _cuda_available():
-        raise RuntimeError("device='cuda' but this worker sees no CUDA device (cupy missing or "
+    if setting == "gpu" and not _cuda_available():
+        raise RuntimeError("device='gpu' but this worker sees no CUDA device (cupy missing or "
                            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     import cupy
 
@@ -149,30 +149,39 @@ def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
     if H_out is not None:
         Ho_dense, Ho_diag = _as_sym(H_out, m, "H_out", allow_diag=True)
 
+    if s["one_sided"]:
+        Ho_solve_dense = Ho_solve_diag = None
+    else:
+        Ho_solve_dense, Ho_solve_diag = Ho_dense, Ho_diag
     xp, device = _device(s["device"])
     to = (lambda a: a) if xp is None else (lambda a: None if a is None else xp.asarray(a))
     kw = dict(bits=s["bits"], tile=tuple(s["tile"]), method=s["method"], engine=s["engine"],
               damp=s["damp"], symmetric=s["symmetric"], granularity=s["granularity"],
               group_size=s["group_size"], scale_method=s["scale_method"])
-    if Ho_diag is not None:
-        res = quantize_layer_diag_out(to(W), to(H_in), to(Ho_diag), **kw)
+    if Ho_solve_diag is not None:
+        res = quantize_layer_diag_out(to(W), to(H_in), to(Ho_solve_diag), **kw)
     else:
-        res = quantize_layer(to(W), to(H_in), to(Ho_dense), **kw)
+        res = quantize_layer(to(W), to(H_in), to(Ho_solve_dense), **kw)
     from .._xp import to_numpy
 
+    W_hat = to_numpy(res.values).astype(W.dtype, copy=False)
+    if s["one_sided"] and H_out is not None:  # judge a one-sided result on both sides too
+        res.proxy_error = _proxy_np(W, W_hat, H_in, Ho_dense, Ho_diag)
+        res.rtn_proxy_error = _proxy_np(W, to_numpy(res.rtn_values), H_in, Ho_dense, Ho_diag)
+    # the layout of `bakron quantize` (bakron.io.dequantize reads it): codes, a 2-D scale
+    # table (rows 1 or m, columns 1 or #groups) in W's dtype, uint8 zero points, W_hat
     q = res.quantizer
-    tensors = {"values": to_numpy(res.values).astype(W.dtype, copy=False),
+    s_tab, z_tab = q.tables(np, "cpu", np.dtype(W.dtype))
+    tensors = {"W_hat": W_hat,
                "codes": to_numpy(res.codes).astype(_codes_dtype(q)),
-               "scale": np.asarray(to_numpy(q.scale) if hasattr(q.scale, "shape") else q.scale,
-                                   dtype=np.float64)}
-    if not q.symmetric:
-        zp = 2 ** (q.bits - 1) if q.zero_point is None else q.zero_point
-        tensors["zero_point"] = np.asarray(to_numpy(zp) if hasattr(zp, "shape") else zp,
-                                           dtype=np.float64)
+               "scale": np.array(s_tab, dtype=W.dtype)}
+    if z_tab is not None:
+        tensors["zero_point"] = np.rint(np.asarray(z_tab, dtype=np.float64)).astype(np.uint8)
     summary = res.summary()
     meta = {"name": job.name, "key": key, "bakron_version": __version__,
             "settings": canonical_settings(s), "shape": [m, n],
-            "two_sided": H_out is not None, "h_out_diagonal": Ho_diag is not None,
+            "two_sided": H_out is not None and not s["one_sided"],
+            "h_out_diagonal": Ho_diag is not None,
             "worker": rec["worker"], "host": rec["host"], "device": device,
             "created": now_iso(), **{k: summary[k] for k in (
                 "method", "engine", "proxy_error", "proxy_error_one_sided", "rtn_proxy_error",
@@ -187,6 +196,19 @@ def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
                 proxy_error=summary["proxy_error"], rtn_proxy_error=summary["rtn_proxy_error"],
                 method=summary["method"], engine=summary["engine"],
                 seconds=time.perf_counter() - t_start, finished=now_iso())
+
+
+def _proxy_np(W, W_hat, H_in, Ho_dense, Ho_diag) -> float:
+    from ..layer import proxy_error
+
+    if Ho_dense is not None:
+        return proxy_error(W, W_hat, H_in, Ho_dense)
+    h = Ho_diag.astype(np.float64)
+    W64 = W.astype(np.float64)
+    E = W64 - np.asarray(W_hat, dtype=np.float64)
+    Hi = H_in.astype(np.float64)
+    Hi = (Hi + Hi.T) / 2
+    return float(np.sum(h[:, None] * (E @ Hi) * E) / np.sum(h[:, None] * (W64 @ Hi) * W64))
 
 
 def _json(v) -> str:
