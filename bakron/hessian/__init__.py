@@ -46,3 +46,20 @@ Building blocks:
 
 See ``docs/hessian.md`` for the mathematics and the schedules.
 """
+from .accumulate import (FactorAccumulator, pack_upper, sequence_mix, token_quadratic,
+                         unpack_upper)
+from .checkpoint import (bisection_cost, bisection_slots, binomial_cost, binomial_steps,
+                         reversal_cost, reversal_slots)
+from .driver import HessianReport, SweepRecord, global_factors, plan_global
+from .reference import exact_fisher, nearest_kronecker, per_sequence_gradients
+from .stages import (GELU, Bias, HeadContext, LayerNorm, Linear, ReLU, Residual,
+                     SoftmaxCrossEntropy)
+
+__all__ = [
+    "global_factors", "plan_global", "HessianReport", "SweepRecord",
+    "Linear", "Bias", "ReLU", "GELU", "LayerNorm", "Residual", "SoftmaxCrossEntropy",
+    "HeadContext", "FactorAccumulator", "token_quadratic", "sequence_mix", "pack_upper",
+    "unpack_upper", "reversal_cost", "reversal_slots", "binomial_cost", "binomial_steps",
+    "bisection_cost", "bisection_slots", "exact_fisher", "per_sequence_gradients",
+    "nearest_kronecker",
+]

@@ -1,0 +1,256 @@
+"""Streaming second moments: the accumulators behind ``H_in`` and ``H_out``.
+
+A :class:`FactorAccumulator` holds ``S = Σ_k w_k y_kᵀ M_k y_k`` (an ``n x n`` symmetric sum,
+float64 by default) and the total weight ``Σ_k w_k``. Two kinds of update cover SPEC §6:
+
+- :meth:`FactorAccumulator.update`: rows ``y_t`` with weights ``w_t`` and coefficients ``c_t``:
+  ``S += Σ_t w_t c_t y_t y_tᵀ`` (K-FAC: ``c_t = 1``; per-token refinement:
+  ``c_t = x_tᵀ H x_t``);
+- :meth:`FactorAccumulator.update_sequences`: sequences ``Y_s`` (T x n) with a T x T mixing
+  matrix ``M_s``: ``S += Σ_s w_s Y_sᵀ M_s Y_s`` (per-sequence refinement:
+  ``G_sᵀ H_O G_s = X_sᵀ (g_s H_O g_sᵀ) X_s`` with ``G_s = Σ_t g_t x_tᵀ``, without forming G_s).
+
+``value()`` returns ``S / (Σ w · divisor)`` symmetrised (``divisor`` is ``‖H‖_F²`` of the fixed
+factor in a refinement step, 1 otherwise). Partial accumulators (batches, shards, workers)
+combine with :meth:`merge`, which adds the sums in the order given, so the same partials in the
+same order give bitwise the same result.
+"""
+from __future__ import annotations
+
+from .. import _xp
+from .._validate import check_finite
+
+__all__ = ["FactorAccumulator", "token_quadratic", "sequence_mix", "frobenius_sq",
+           "pack_upper", "unpack_upper"]
+
+
+def _float_dtype(xp, dtype):
+    if dtype is None:
+        return xp.float64
+    if dtype == xp.float64 or dtype == xp.float32:
+        return dtype
+    raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+
+
+class FactorAccumulator:
+    """Streaming weighted second moment ``S / W`` of rows (or sequences) of length ``n``.
+
+    Parameters
+    ----------
+    n : int
+        Size of the factor (``n`` inputs for ``H_in``, ``m`` outputs for ``H_out``).
+    xp : namespace
+        Array namespace of the sum (``array_api_compat.numpy``, ``cupy``, ...).
+    dtype : dtype, optional
+        Accumulation dtype, float64 by default (float32 halves memory; rows are cast to it).
+    device : optional
+        Device of the sum (default: the namespace's default device).
+    divisor : float
+        Extra normaliser of :meth:`value` (``‖H‖_F²`` of the fixed factor in a refinement
+        step). Accumulators that ``merge`` must share it.
+    """
+
+    def __init__(self, n: int, *, xp, dtype=None, device=None, divisor: float = 1.0):
+        if int(n) != n or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        if not divisor > 0 or divisor != divisor or divisor == float("inf"):
+            raise ValueError(f"divisor must be a positive finite number, got {divisor!r}")
+        self.xp = xp
+        self.n = int(n)
+        self.dtype = _float_dtype(xp, dtype)
+        self.divisor = float(divisor)
+        kw = {} if device is None else {"device": device}
+        self.sum = xp.zeros((self.n, self.n), dtype=self.dtype, **kw)
+        self.weight = 0.0
+        self.count = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.n * (8 if self.dtype == self.xp.float64 else 4)
+
+    # -- updates -----------------------------------------------------------------------------
+    def _weights(self, xp, weights, k: int, name: str):
+        if weights is None:
+            return None
+        if not hasattr(weights, "shape"):
+            raise ValueError(f"{name} must be an array of {k} weights, got {type(weights).__name__}")
+        w = xp.reshape(weights, (-1,)) if len(weights.shape) != 1 else weights
+        if w.shape[0] != k:
+            raise ValueError(f"{name} has {w.shape[0]} entries but there are {k} "
+                             f"{'rows' if name == 'weights' else 'sequences'}; one weight each")
+        w = xp.astype(w, self.dtype)
+        check_finite(xp, w, name)
+        if bool(xp.any(w < 0)):
+            raise ValueError(f"{name} must be non-negative")
+        return w
+
+    def update(self, rows, weights=None, *, coef=None) -> "FactorAccumulator":
+        """Add ``Σ_t w_t c_t y_t y_tᵀ`` for the rows ``y_t`` of ``rows`` (shape ``(..., n)``).
+
+        ``weights`` ``w_t`` (one per row, any shape with that many entries; default 1) count
+        towards the total weight; ``coef`` ``c_t`` (default 1) only scale the rows' terms (the
+        quadratic forms of a refinement step). Inputs are checked (shapes, finiteness) before
+        anything is added.
+        """
+        xp = _xp.namespace(rows, weights, coef, self.sum)
+        if not hasattr(rows, "shape") or len(rows.shape) < 1 or rows.shape[-1] != self.n:
+            raise ValueError(f"rows must have shape (..., {self.n}), got "
+                             f"{getattr(rows, 'shape', None)}")
+        Y = xp.reshape(xp.astype(rows, self.dtype), (-1, self.n))
+        check_finite(xp, Y, "rows")
+        k = Y.shape[0]
+        w = self._weights(xp, weights, k, "weights")
+        c = None
+        if coef is not None:
+            c = xp.reshape(xp.astype(coef, self.dtype), (-1,))
+            if c.shape[0] != k:
+                raise ValueError(f"coef has {c.shape[0]} entries but there are {k} rows")
+            check_finite(xp, c, "coef")
+        if k == 0:
+            return self
+        scale = w if c is None else (c if w is None else c * w)
+        if scale is None:
+            self.sum += Y.T @ Y
+        else:
+            self.sum += Y.T @ (Y * scale[:, None])
+        self.weight += float(k) if w is None else float(xp.sum(w))
+        self.count += k
+        return self
+
+    def update_sequences(self, seqs, mix=None, weights=None, *,
+                         weight_total=None) -> "FactorAccumulator":
+        """Add ``Σ_s w_s Y_sᵀ M_s Y_s`` for sequences ``Y_s`` (``seqs``: (S, T, n)) and
+        mixing matrices ``M_s`` (``mix``: (S, T, T); ``None`` means all ones, i.e.
+        ``(Σ_t y_t)(Σ_t y_t)ᵀ``). ``weights``: one per sequence (default 1); the total weight
+        grows by ``Σ w_s`` (or by ``weight_total`` when given).
+        """
+        xp = _xp.namespace(seqs, mix, weights, self.sum)
+        if not hasattr(seqs, "shape") or len(seqs.shape) != 3 or seqs.shape[-1] != self.n:
+            raise ValueError(f"seqs must have shape (S, T, {self.n}), got "
+                             f"{getattr(seqs, 'shape', None)}")
+        S, T, _ = seqs.shape
+        Y = xp.astype(seqs, self.dtype)
+        check_finite(xp, Y, "seqs")
+        if mix is not None:
+            if not hasattr(mix, "shape") or tuple(mix.shape) != (S, T, T):
+                raise ValueError(f"mix must have shape {(S, T, T)}, got "
+                                 f"{getattr(mix, 'shape', None)}")
+            M = xp.astype(mix, self.dtype)
+            check_finite(xp, M, "mix")
+        w = self._weights(xp, weights, S, "sequence weights")
+        if S == 0:
+            return self
+        Z = xp.sum(Y, axis=1, keepdims=True) if mix is None else M @ Y      # (S, 1|T, n)
+        if w is not None:
+            Z = Z * w[:, None, None]
+        Yf = Y if mix is not None else xp.sum(Y, axis=1, keepdims=True)
+        k = Z.shape[0] * Z.shape[1]
+        self.sum += xp.reshape(Yf, (k, self.n)).T @ xp.reshape(Z, (k, self.n))
+        if weight_total is not None:
+            self.weight += float(weight_total)
+        else:
+            self.weight += float(S) if w is None else float(xp.sum(w))
+        self.count += S
+        return self
+
+    # -- combining and reading ---------------------------------------------------------------
+    def merge(self, *others: "FactorAccumulator") -> "FactorAccumulator":
+        """A new accumulator: ``self`` plus ``others``, added left to right (fixed order)."""
+        out = FactorAccumulator(self.n, xp=self.xp, dtype=self.dtype,
+                                device=_xp.device(self.sum), divisor=self.divisor)
+        out.sum = self.xp.asarray(self.sum, copy=True)
+        out.weight, out.count = self.weight, self.count
+        for i, o in enumerate(others):
+            if not isinstance(o, FactorAccumulator):
+                raise ValueError(f"merge argument {i} is a {type(o).__name__}, "
+                                 f"not a FactorAccumulator")
+            if o.n != self.n or o.dtype != self.dtype:
+                raise ValueError(f"merge argument {i} has size {o.n} and dtype {o.dtype}; "
+                                 f"expected {self.n} and {self.dtype}")
+            if o.divisor != self.divisor:
+                raise ValueError(f"merge argument {i} has divisor {o.divisor!r} but this one "
+                                 f"has {self.divisor!r}: they belong to different refinement "
+                                 f"steps")
+            out.sum += o.sum
+            out.weight += o.weight
+            out.count += o.count
+        return out
+
+    @staticmethod
+    def merge_all(accumulators) -> "FactorAccumulator":
+        """Sum a non-empty sequence of accumulators in its order."""
+        accumulators = list(accumulators)
+        if not accumulators:
+            raise ValueError("merge_all needs at least one accumulator")
+        return accumulators[0].merge(*accumulators[1:])
+
+    def value(self):
+        """The factor ``S / (Σ w · divisor)``, exactly symmetric, as a new array."""
+        if self.weight <= 0:
+            raise ValueError("the accumulator is empty (total weight 0): no rows were added "
+                             "with positive weight")
+        S = self.sum
+        return (S + S.T) * (0.5 / (self.weight * self.divisor))
+
+    def state_dict(self) -> dict:
+        """``{"sum": packed upper triangle, "n", "weight", "count", "divisor"}`` (a copy)."""
+        return {"sum": pack_upper(self.xp, self.sum), "n": self.n, "weight": self.weight,
+                "count": self.count, "divisor": self.divisor}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, *, xp=None) -> "FactorAccumulator":
+        packed = state["sum"]
+        xp = xp or _xp.namespace(packed)
+        acc = cls(int(state["n"]), xp=xp, dtype=packed.dtype, device=_xp.device(packed),
+                  divisor=float(state.get("divisor", 1.0)))
+        acc.sum = unpack_upper(xp, packed, acc.n)
+        acc.weight = float(state["weight"])
+        acc.count = int(state["count"])
+        return acc
+
+    def __repr__(self) -> str:
+        return (f"FactorAccumulator(n={self.n}, dtype={self.dtype}, weight={self.weight:g}, "
+                f"count={self.count}, divisor={self.divisor:g})")
+
+
+def token_quadratic(xp, rows, H):
+    """``y_tᵀ H y_t`` for every row of ``rows`` (shape ``(..., n)``), flattened, float64."""
+    n = H.shape[0]
+    Y = xp.reshape(xp.astype(rows, H.dtype), (-1, n))
+    return xp.sum((Y @ H) * Y, axis=1)
+
+
+def sequence_mix(xp, seqs, H):
+    """``Y_s H Y_sᵀ`` for every sequence (``seqs``: (S, T, n)) → (S, T, T), in H's dtype."""
+    Y = xp.astype(seqs, H.dtype)
+    S, T, n = Y.shape
+    YH = xp.reshape(xp.reshape(Y, (S * T, n)) @ H, (S, T, n))
+    return YH @ xp.matrix_transpose(Y)
+
+
+def frobenius_sq(xp, H) -> float:
+    return float(xp.sum(H * H))
+
+
+def _upper_index(xp, n: int, device):
+    idx = xp.arange(n * n, device=device)
+    i, j = idx // n, idx % n
+    return xp.nonzero(i <= j)[0]
+
+
+def pack_upper(xp, H):
+    """Upper triangle of ``H`` row by row (``n(n+1)/2`` entries): the layout of factor files."""
+    n = H.shape[0]
+    return xp.take(xp.reshape(H, (n * n,)), _upper_index(xp, n, _xp.device(H)))
+
+
+def unpack_upper(xp, packed, n: int):
+    """Inverse of :func:`pack_upper`: the full symmetric ``n x n`` matrix."""
+    if tuple(packed.shape) != (n * (n + 1) // 2,):
+        raise ValueError(f"a packed upper triangle of a {n} x {n} matrix has "
+                         f"{n * (n + 1) // 2} entries, got shape {tuple(packed.shape)}")
+    idx = xp.arange(n * n, device=_xp.device(packed))
+    i, j = idx // n, idx % n
+    lo, hi = xp.minimum(i, j), xp.maximum(i, j)
+    pos = lo * n - (lo * (lo - 1)) // 2 + (hi - lo)   # row-major position of (lo, hi), lo <= hi
+    return xp.reshape(xp.take(packed, pos), (n, n))

@@ -1,0 +1,828 @@
+"""The global-Hessian driver: every linear layer's Kronecker factors within a memory budget.
+
+Memory model (what ``budget_bytes`` bounds and the report measures):
+
+- *buffers*: the factor accumulators of the layers being collected, ``(n² + m²)`` entries of
+  the accumulation dtype per linear (in a refinement step the fixed factor and the new one);
+- *caches*: boundary states of the layer-range bisection, ``h_c`` and ``δ_c`` for every
+  calibration batch;
+- *activations*: the states and gradients between stages that the checkpoint schedule holds
+  (snapshots, the state being advanced, the gradient being propagated).
+
+Not counted: the caller's inputs and weights, the finished factors handed back, and
+temporaries inside one stage's ``forward``/``vjp`` or one accumulator update (a few times one
+state or one factor). Planning uses the largest batch; the ledger records the real run.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from .. import _xp
+from .._validate import check_finite
+from .accumulate import FactorAccumulator, frobenius_sq, sequence_mix, token_quadratic
+from .checkpoint import SCHEDULES, bisection_slots, split_point
+from .stages import HeadContext, is_head, stage_label
+
+__all__ = ["global_factors", "HessianReport", "SweepRecord", "plan_global"]
+
+_STEP_KINDS = ("kfac", "refine_out", "refine_in")
+
+
+# --------------------------------------------------------------------------------------------
+# bookkeeping
+# --------------------------------------------------------------------------------------------
+class _Ledger:
+    """Live bytes by kind (``act``, ``buf``, ``cache``) and live states, with their peaks."""
+
+    def __init__(self):
+        self.cur = {"act": 0, "buf": 0, "cache": 0}
+        self.peak = dict(self.cur)
+        self.total = self.peak_total = 0
+        self.states = self.peak_states = 0
+
+    def alloc(self, kind, nbytes, states=1):
+        self.cur[kind] += nbytes
+        self.total += nbytes
+        self.states += states if kind == "act" else 0
+        self.peak[kind] = max(self.peak[kind], self.cur[kind])
+        self.peak_total = max(self.peak_total, self.total)
+        self.peak_states = max(self.peak_states, self.states)
+
+    def free(self, kind, nbytes, states=1):
+        self.cur[kind] -= nbytes
+        self.total -= nbytes
+        self.states -= states if kind == "act" else 0
+
+    def move(self, src, dst, nbytes):
+        self.cur[src] -= nbytes
+        self.states -= 1 if src == "act" else 0
+        self.cur[dst] += nbytes
+        self.peak[dst] = max(self.peak[dst], self.cur[dst])
+
+
+@dataclass
+class SweepRecord:
+    """One pass over all calibration batches.
+
+    ``kind``: ``"split"`` (stores the boundary states at ``cut``), ``"kfac"``,
+    ``"refine_out"`` or ``"refine_in"``; stages ``[start, stop)``; the checkpoint schedule and
+    its snapshots; forward stage evaluations, VJPs and head evaluations over all batches.
+    """
+
+    kind: str
+    start: int
+    stop: int
+    cut: int | None
+    schedule: str
+    snapshots: int
+    stage_evals: int = 0
+    vjp_evals: int = 0
+    head_evals: int = 0
+
+
+@dataclass
+class HessianReport:
+    """What :func:`global_factors` did and how much memory it held."""
+
+    n_stages: int
+    n_batches: int
+    n_layers: int
+    budget_bytes: int | None
+    checkpoint: str
+    refine: str
+    refine_iters: int
+    sweeps: list = field(default_factory=list)
+    leaf_ranges: list = field(default_factory=list)
+    planned_peak_bytes: int = 0
+    peak_bytes: int = 0
+    peak_activation_bytes: int = 0
+    peak_buffer_bytes: int = 0
+    peak_cache_bytes: int = 0
+    peak_states: int = 0
+    seconds: float = 0.0
+
+    @property
+    def passes(self) -> int:
+        """Passes over the calibration data (sweeps of any layer range)."""
+        return len(self.sweeps)
+
+    @property
+    def stage_evals(self) -> int:
+        return sum(s.stage_evals for s in self.sweeps)
+
+    @property
+    def vjp_evals(self) -> int:
+        return sum(s.vjp_evals for s in self.sweeps)
+
+    @property
+    def head_evals(self) -> int:
+        return sum(s.head_evals for s in self.sweeps)
+
+    @property
+    def recompute_factor(self) -> float:
+        """Stage evaluations relative to storing everything in one range (1.0 = no recompute)."""
+        base = self.n_stages * self.n_batches * (1 + 2 * self.refine_iters)
+        return self.stage_evals / base
+
+    def __str__(self) -> str:
+        mib = 2.0 ** 20
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / mib:.2f} MiB"
+        return (f"global Hessians: {self.n_layers} linear layers, {self.n_stages} stages, "
+                f"{self.n_batches} batches, budget {budget}\n"
+                f"  passes {self.passes} (leaf ranges {self.leaf_ranges}), stage evaluations "
+                f"{self.stage_evals} ({self.recompute_factor:.2f}x store-all), VJPs "
+                f"{self.vjp_evals}\n"
+                f"  peak {self.peak_bytes / mib:.2f} MiB (activations "
+                f"{self.peak_activation_bytes / mib:.2f}, buffers "
+                f"{self.peak_buffer_bytes / mib:.2f}, caches {self.peak_cache_bytes / mib:.2f}),"
+                f" {self.peak_states} live states, {self.seconds:.2f} s")
+
+
+# --------------------------------------------------------------------------------------------
+# the reversal of one batch over stages [c, b), generic over a real or a dry-run engine
+# --------------------------------------------------------------------------------------------
+def _advance(eng, ledger, i, j, h, owned):
+    """Run stages i..j-1 forward from ``h``; returns the state at j and whether it is owned."""
+    for k in range(i, j):
+        h2 = eng.forward(k, h)
+        ledger.alloc("act", eng.nbytes(h2))
+        if owned:
+            ledger.free("act", eng.nbytes(h))
+        h, owned = h2, True
+    return h, owned
+
+
+def _reverse(eng, ledger, c, b, h_c, d_b, schedule, s, need_bottom):
+    """Run the VJPs of stages b-1, ..., c (the checkpoint schedule decides what is recomputed).
+
+    ``h_c`` and ``d_b`` are held by the caller (not counted here); ``d_b=None`` evaluates the
+    head after stage b-1. Returns ``δ_c`` (counted as an activation) or ``None``.
+    """
+    ckpt, owned = {c: h_c}, set()
+    delta, d_owned = d_b, False
+    stack = [(c, b, s)]
+    while stack:
+        i, j, si = stack.pop()
+        if j - i == 1:
+            if delta is None:  # the loss sits right after this stage
+                z = eng.forward(i, ckpt[i])
+                ledger.alloc("act", eng.nbytes(z))
+                delta = eng.head(z)
+                ledger.alloc("act", eng.nbytes(delta))
+                ledger.free("act", eng.nbytes(z))
+                del z
+                d_owned = True
+            need = need_bottom or i > c
+            d_new = eng.vjp(i, ckpt[i], delta, need)
+            if d_new is not None:
+                ledger.alloc("act", eng.nbytes(d_new))
+            if d_owned:
+                ledger.free("act", eng.nbytes(delta))
+            delta, d_owned = d_new, d_new is not None
+            h = ckpt.pop(i)
+            if i in owned:
+                owned.discard(i)
+                ledger.free("act", eng.nbytes(h))
+            del h
+            continue
+        m = split_point(j - i, schedule, si)
+        h, _ = _advance(eng, ledger, i, i + m, ckpt[i], False)
+        ckpt[i + m] = h
+        owned.add(i + m)
+        del h
+        stack.append((i, i + m, si))
+        stack.append((i + m, j, si - 1))
+    return delta
+
+
+class _DryEngine:
+    """States are byte counts: the same control code computes the memory a schedule needs."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+        self.evals = self.vjps = self.heads = 0
+
+    @staticmethod
+    def nbytes(x):
+        return x
+
+    def forward(self, i, h):
+        self.evals += 1
+        return self.sizes[i + 1]
+
+    def head(self, z):
+        self.heads += 1
+        return self.sizes[-1]
+
+    def vjp(self, i, h, d, need):
+        self.vjps += 1
+        return self.sizes[i] if need else None
+
+
+def _simulate(sizes, a, c, b, loss, schedule, s):
+    """Peak activation bytes and counts of one batch's sweep: advance a→c, reverse [c, b)."""
+    eng, led = _DryEngine(sizes), _Ledger()
+    h, owned = _advance(eng, led, a, c, sizes[a], False)
+    if owned:  # a split pass moves h_c into the cache
+        led.move("act", "cache", h)
+    d = _reverse(eng, led, c, b, h, None if loss else sizes[b], schedule, s, c > a)
+    if d is not None:
+        led.move("act", "cache", d)
+    return led.peak["act"], led.peak_states, eng.evals, eng.vjps, eng.heads
+
+
+# --------------------------------------------------------------------------------------------
+# planning
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _Leaf:
+    start: int
+    stop: int
+    schedule: str
+    snapshots: int
+    peak: int
+
+
+@dataclass
+class _Split:
+    start: int
+    stop: int
+    cut: int
+    schedule: str
+    snapshots: int
+    peak: int
+    right: object
+    left: object
+
+
+@dataclass
+class _Skip:
+    start: int
+    stop: int
+    peak: int = 0
+
+
+class _Planner:
+    def __init__(self, sizes, batch_sizes, buf_bytes, names_at, budget, checkpoint, snapshots):
+        self.sizes = sizes                # bytes of state l (largest batch), l = 0..L
+        self.batch_sizes = batch_sizes    # per batch: bytes of state l
+        self.buf = buf_bytes              # factor-buffer bytes per stage
+        self.names_at = names_at
+        self.L = len(sizes) - 1
+        self.budget = budget
+        self.checkpoint = checkpoint
+        self.snapshots = snapshots
+
+    def buffers(self, a, b):
+        return sum(self.buf[a:b])
+
+    def cache_bytes(self, c):
+        return sum(bs[c] for bs in self.batch_sizes)
+
+    def _fits(self, a, c, b, s, avail, schedule):
+        peak = _simulate(self.sizes, a, c, b, b == self.L, schedule, s)[0]
+        return peak <= avail, peak
+
+    def choose(self, a, c, b, avail, minimum=1):
+        """(schedule, snapshots, activation peak) for a sweep advancing a→c and reversing
+        [c, b) within ``avail`` bytes, or ``None``."""
+        l = b - c
+        sched = self.checkpoint
+        if sched == "auto" and self.budget is None:
+            sched = "store_all"
+        if sched in ("store_all", "bisection"):
+            s = l if sched == "store_all" else bisection_slots(l)
+            ok, peak = self._fits(a, c, b, s, avail, sched)
+            return (sched, s, peak) if ok else None
+        if self.snapshots is not None:  # binomial with a given number of snapshots
+            s = min(self.snapshots, l)
+            ok, peak = self._fits(a, c, b, s, avail, "binomial")
+            return ("binomial", s, peak) if ok else None
+        # auto / binomial: the most snapshots that fit (store-all when everything fits)
+        ok, peak = self._fits(a, c, b, l, avail, "binomial")
+        if ok:
+            return ("binomial" if sched == "binomial" else "store_all", l, peak)
+        lo, hi = 0, l - 1              # largest s in [minimum, l-1] that fits (peaks grow with s)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits(a, c, b, mid, avail, "binomial")[0]:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < minimum:
+            return None
+        return ("binomial", lo, self._fits(a, c, b, lo, avail, "binomial")[1])
+
+    def split_point(self, a, b):
+        best = None
+        total = self.buffers(a, b)
+        for c in range(a + 1, b):
+            left = self.buffers(a, c)
+            if left == 0 or left == total:
+                continue
+            key = (max(left, total - left), abs(2 * c - a - b), c)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[2]
+
+    def plan(self, a, b, held):
+        buf = self.buffers(a, b)
+        if buf == 0:
+            return _Skip(a, b)
+        avail = None if self.budget is None else self.budget - held - buf
+        if self.budget is None:
+            sched, s, peak = self.choose(a, a, b, float("inf"))
+            return _Leaf(a, b, sched, s, held + buf + peak)
+        l = b - a
+        prefer = min(l, bisection_slots(l)) if self.checkpoint in ("auto", "binomial") else 1
+        leaf = self.choose(a, a, b, avail, prefer) if avail >= 0 else None
+        if leaf is not None:
+            return _Leaf(a, b, leaf[0], leaf[1], held + buf + leaf[2])
+        c = self.split_point(a, b)
+        if c is not None:
+            hc, dc = self.cache_bytes(c), self.cache_bytes(c)
+            split = self.choose(a, c, b, self.budget - held - hc - dc)
+            if split is not None:
+                right = self.plan(c, b, held + hc + dc)
+                left = self.plan(a, c, held + dc)
+                return _Split(a, b, c, split[0], split[1], held + hc + dc + split[2],
+                              right, left)
+        if prefer > 1 and avail >= 0:   # cannot split: accept more recomputation
+            leaf = self.choose(a, a, b, avail, 1)
+            if leaf is not None:
+                return _Leaf(a, b, leaf[0], leaf[1], held + buf + leaf[2])
+        self._too_small(a, b, held, c)
+
+    def _too_small(self, a, b, held, c):
+        need_act = _simulate(self.sizes, a, a, b, b == self.L, "binomial", 1)[0]
+        layers = ", ".join(repr(n) for i in range(a, b) for n in self.names_at[i])
+        msg = (f"budget_bytes={self.budget} is too small: collecting layer(s) {layers} "
+               f"(stages {a}..{b - 1}) needs {self.buffers(a, b)} bytes of factor buffers + "
+               f"at least {need_act} bytes of activations")
+        if held:
+            msg += f", with {held} bytes of boundary states cached for it"
+        if c is not None:
+            msg += (f"; splitting at stage {c} would cache {2 * self.cache_bytes(c)} bytes of "
+                    f"boundary states")
+        need = held + self.buffers(a, b) + need_act
+        raise ValueError(msg + f". Give at least about {need} bytes, smaller calibration "
+                               f"batches, or budget_bytes=None")
+
+
+def _walk(node):
+    if isinstance(node, _Split):
+        yield node
+        yield from _walk(node.right)
+        yield from _walk(node.left)
+    else:
+        yield node
+
+
+# --------------------------------------------------------------------------------------------
+# the real engine
+# --------------------------------------------------------------------------------------------
+class _Engine:
+    def __init__(self, xp, body, head, seed, check):
+        self.xp, self.body, self.head_stage = xp, body, head
+        self.seed, self.check = seed, check
+        self.shapes = None
+        self.batch = 0
+        self.collect = None
+        self.evals = self.vjps = self.heads = 0
+
+    def nbytes(self, x):
+        return math.prod(x.shape) * (self.xp.finfo(x.dtype).bits // 8)
+
+    def _check(self, x, what):
+        if self.check and not bool(self.xp.all(self.xp.isfinite(x))):
+            bad = int(self.xp.sum(self.xp.astype(~self.xp.isfinite(x), self.xp.int64)))
+            raise ValueError(f"non-finite {what} on calibration batch {self.batch}: {bad} NaN "
+                             f"or Inf entr{'y' if bad == 1 else 'ies'}")
+
+    def forward(self, i, h):
+        self.evals += 1
+        y = self.body[i].forward(self.xp, h)
+        if tuple(y.shape) != self.shapes[i + 1]:
+            raise ValueError(f"stage {stage_label(self.body[i], i)} returned shape "
+                             f"{tuple(y.shape)}, but its out_shape promised {self.shapes[i + 1]}")
+        self._check(y, f"activation: the output of stage {stage_label(self.body[i], i)}")
+        return y
+
+    def head(self, z):
+        self.heads += 1
+        d = self.head_stage.grad(self.xp, z, HeadContext(self.batch, self.seed))
+        if tuple(d.shape) != tuple(z.shape):
+            raise ValueError(f"head {stage_label(self.head_stage)} returned a gradient of shape "
+                             f"{tuple(d.shape)} for logits of shape {tuple(z.shape)}")
+        self._check(d, f"gradient: the loss gradient of head {stage_label(self.head_stage)}")
+        return d
+
+    def vjp(self, i, h, d, need):
+        self.vjps += 1
+        stage = self.body[i]
+        r = stage.vjp(self.xp, h, d, self.collect_for(i), need_input_grad=need)
+        if need:
+            if r is None or tuple(r.shape) != self.shapes[i]:
+                raise ValueError(f"stage {stage_label(stage, i)}: vjp returned "
+                                 f"{'None' if r is None else tuple(r.shape)}, expected a "
+                                 f"gradient of shape {self.shapes[i]}")
+            self._check(r, f"gradient: ∂loss/∂(input of stage {stage_label(stage, i)})")
+            return r
+        return None
+
+    def collect_for(self, i):
+        return lambda key, x, g: self.collect(i, key, x, g)
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+def _as_batches(calib_inputs, batch_size):
+    if hasattr(calib_inputs, "shape"):
+        if batch_size is None:
+            return [calib_inputs]
+        if int(batch_size) != batch_size or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        N = calib_inputs.shape[0]
+        return [calib_inputs[i:i + batch_size, ...] for i in range(0, N, int(batch_size))]
+    if isinstance(calib_inputs, (list, tuple)):
+        if batch_size is not None:
+            raise ValueError("batch_size applies to a single array of calibration inputs; "
+                             "calib_inputs is already a list of batches")
+        return list(calib_inputs)
+    raise ValueError(f"calib_inputs must be an array or a list of arrays (batches; the driver "
+                     f"reads them more than once), got {type(calib_inputs).__name__}")
+
+
+def _layer_names(body):
+    names_at, shapes = [], {}
+    for i, st in enumerate(body):
+        lin = st.linears()
+        here = []
+        for key, (m, n) in lin.items():
+            name = f"stage{i}" if key is None else key
+            if name in shapes:
+                raise ValueError(f"two linear layers are both named {name!r} (stage "
+                                 f"{stage_label(st, i)}); names must be unique")
+            shapes[name] = (int(m), int(n))
+            here.append(name)
+        names_at.append(here)
+    return names_at, shapes
+
+
+def _check_weights(xp, weights, batches, refine, refine_iters):
+    if weights is None:
+        return [None] * len(batches)
+    if len(weights) != len(batches):
+        raise ValueError(f"weights has {len(weights)} entries but there are {len(batches)} "
+                         f"calibration batches")
+    out = []
+    for k, (w, x) in enumerate(zip(weights, batches)):
+        if w is None:
+            out.append(None)
+            continue
+        lead = tuple(x.shape[:-1])
+        if tuple(w.shape) != lead[:len(w.shape)] or len(w.shape) == 0:
+            raise ValueError(f"weights[{k}] has shape {tuple(w.shape)}; batch {k} has shape "
+                             f"{tuple(x.shape)}, so it needs {lead[:1]} (per sample) or "
+                             f"{lead} (per token)")
+        if refine == "sequence" and refine_iters and len(w.shape) != 1:
+            raise ValueError(f"weights[{k}] has shape {tuple(w.shape)}: per-sequence "
+                             f"refinement needs one weight per sequence, shape {lead[:1]}")
+        w = xp.astype(w, xp.float64)
+        check_finite(xp, w, f"weights[{k}]")
+        if bool(xp.any(w < 0)):
+            raise ValueError(f"weights[{k}] has negative entries")
+        out.append(w)
+    return out
+
+
+def _token_weights(xp, w, lead):
+    if w is None:
+        return None
+    w = xp.reshape(w, tuple(w.shape) + (1,) * (len(lead) - len(w.shape)))
+    return xp.reshape(xp.broadcast_to(w, lead), (-1,))
+
+
+# --------------------------------------------------------------------------------------------
+# the public driver
+# --------------------------------------------------------------------------------------------
+def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
+                snapshots=None, accum_dtype=None):
+    """The plan :func:`global_factors` would run (a tree of leaf / split / skip nodes)."""
+    ctx = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
+                   accum_dtype, None, "token", 0)
+    return ctx["plan"]
+
+
+def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
+             accum_dtype, weights, refine, refine_iters):
+    stages = list(stages)
+    if len(stages) < 2 or not is_head(stages[-1]):
+        raise ValueError("stages must be a list of stages ending with a head (e.g. "
+                         "SoftmaxCrossEntropy()), with at least one stage before it")
+    body, head = stages[:-1], stages[-1]
+    for i, st in enumerate(body):
+        if is_head(st):
+            raise ValueError(f"stage {stage_label(st, i)} is a head; only the last stage may "
+                             f"be a head")
+        for meth in ("out_shape", "forward", "vjp", "linears"):
+            if not callable(getattr(st, meth, None)):
+                raise ValueError(f"stage {stage_label(st, i)} has no {meth}() method; see "
+                                 f"bakron.hessian.stages for the stage protocol")
+    if checkpoint not in ("auto",) + SCHEDULES:
+        raise ValueError(f"checkpoint must be 'auto' or one of {SCHEDULES}, got {checkpoint!r}")
+    if snapshots is not None:
+        if checkpoint not in ("binomial", "auto"):
+            raise ValueError(f"snapshots applies to checkpoint='binomial', not {checkpoint!r}")
+        if isinstance(snapshots, bool) or int(snapshots) != snapshots or snapshots < 1:
+            raise ValueError(f"snapshots must be a positive integer (the segment's input "
+                             f"counts as one), got {snapshots!r}")
+        checkpoint = "binomial"
+    if budget_bytes is not None and (isinstance(budget_bytes, bool)
+                                     or int(budget_bytes) != budget_bytes or budget_bytes <= 0):
+        raise ValueError(f"budget_bytes must be a positive integer or None, got {budget_bytes!r}")
+    if refine not in ("token", "sequence"):
+        raise ValueError(f"refine must be 'token' or 'sequence', got {refine!r}")
+    if isinstance(refine_iters, bool) or int(refine_iters) != refine_iters or refine_iters < 0:
+        raise ValueError(f"refine_iters must be a non-negative integer, got {refine_iters!r}")
+
+    batches = _as_batches(calib_inputs, batch_size)
+    if not batches:
+        raise ValueError("calib_inputs is empty: give at least one calibration batch")
+    params = [a for st in stages for a in (st.arrays() if hasattr(st, "arrays") else ())]
+    if weights is not None and (hasattr(weights, "shape")
+                                or not isinstance(weights, (list, tuple))):
+        raise ValueError("weights must be a list with one array (or None) per calibration "
+                         "batch")
+    xp = _xp.namespace(*batches, *params, *(weights or ()))
+    feat = None
+    for k, x in enumerate(batches):
+        if not hasattr(x, "shape") or len(x.shape) < 2 or x.shape[0] == 0:
+            raise ValueError(f"calibration batch {k} must have shape (batch, ..., features) "
+                             f"with batch >= 1, got {getattr(x, 'shape', None)}")
+        _xp.float_dtype(xp, x, f"calibration batch {k}")
+        if feat is None:
+            feat = tuple(x.shape[1:])
+        elif tuple(x.shape[1:]) != feat:
+            raise ValueError(f"calibration batch {k} has shape {tuple(x.shape)}; batch 0 has "
+                             f"trailing shape {feat}; all batches must agree after axis 0")
+        check_finite(xp, x, f"calibration batch {k}")
+    weights = _check_weights(xp, weights, batches, refine, refine_iters)
+
+    # shapes of every state, for every batch (checks the chain before computing anything)
+    shapes = []
+    for x in batches:
+        sh = [tuple(x.shape)]
+        for i, st in enumerate(body):
+            try:
+                sh.append(tuple(st.out_shape(sh[-1])))
+            except ValueError as exc:
+                raise ValueError(f"shape mismatch at stage {i}: {exc}") from None
+        shapes.append(sh)
+    try:
+        head.check_input(shapes[0][-1])
+    except ValueError as exc:
+        raise ValueError(f"shape mismatch at the head: {exc}") from None
+    names_at, layer_shapes = _layer_names(body)
+    if not layer_shapes:
+        raise ValueError("the chain holds no linear layers: nothing to collect")
+
+    dtypes = [x.dtype for x in batches] + [a.dtype for a in params
+                                           if xp.isdtype(a.dtype, "real floating")]
+    act_dtype = xp.result_type(*dtypes)
+    itemsize = xp.finfo(act_dtype).bits // 8
+    acc_dtype = xp.float64 if accum_dtype is None else accum_dtype
+    if acc_dtype != xp.float64 and acc_dtype != xp.float32:
+        raise ValueError(f"accum_dtype must be float32 or float64, got {accum_dtype!r}")
+    acc_item = xp.finfo(acc_dtype).bits // 8
+    batch_sizes = [[math.prod(s) * itemsize for s in sh] for sh in shapes]
+    sizes = [max(bs[l] for bs in batch_sizes) for l in range(len(body) + 1)]
+    buf = [sum((layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item for n in names)
+           for names in names_at]
+    planner = _Planner(sizes, batch_sizes, buf, names_at, budget_bytes, checkpoint, snapshots)
+    plan = planner.plan(0, len(body), 0)
+    return dict(xp=xp, body=body, head=head, batches=batches, weights=weights, shapes=shapes,
+                names_at=names_at, layer_shapes=layer_shapes, acc_dtype=acc_dtype, plan=plan,
+                checkpoint=checkpoint)
+
+
+def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
+                   checkpoint="auto", snapshots=None, refine_iters=0, refine="token", seed=0,
+                   weights=None, accum_dtype=None, check_finite=True, sink=None):
+    """Kronecker factors ``(H_in, H_out)`` of the Fisher for every linear layer of a chain.
+
+    Parameters
+    ----------
+    stages : list
+        Stages ``f_1, …, f_L`` followed by a head (e.g. ``SoftmaxCrossEntropy()``); see
+        :mod:`bakron.hessian.stages` for the protocol.
+    calib_inputs : array or list of arrays
+        Calibration inputs ``(N, features)`` / ``(N, T, features)`` (split into batches of
+        ``batch_size``), or a list of batches. Never modified.
+    budget_bytes : int, optional
+        Working-memory budget (factor buffers + boundary caches + activations; see
+        :mod:`bakron.hessian.driver`). ``None``: no limit (store everything, one range).
+    checkpoint : {"auto", "store_all", "bisection", "binomial"}
+        Activation checkpointing inside a pass. ``"auto"``: store all if it fits, else the
+        binomial schedule with the most snapshots that fit. ``snapshots=k`` fixes the binomial
+        schedule's snapshots. When even that does not fit, the layer range is bisected.
+    refine_iters : int
+        Power-iteration steps towards the nearest Kronecker product of the Fisher after the
+        K-FAC pass; each step is one pass for ``H_out`` then one for ``H_in``.
+    refine : {"token", "sequence"}
+        Per-token (``E[(xᵀH_I x) g gᵀ]``) or per-sequence (``E[G_s H_I G_sᵀ]``) refinement.
+    seed : int
+        Seed of the head's label draws (per batch: ``(seed, batch index)``).
+    weights : list, optional
+        One array per batch: ``(B,)`` per sample or ``(B, T)`` per token (non-negative).
+    accum_dtype : dtype, optional
+        Accumulation dtype (float64 by default).
+    check_finite : bool
+        Check every activation and gradient for NaN/Inf (a clear error naming the stage).
+    sink : callable, optional
+        ``sink(name, H_in, H_out)`` is called as soon as a layer's factors are final, and the
+        returned dict stays empty (write factors out instead of keeping them). Without a sink
+        nothing is handed out unless the whole run succeeds.
+
+    Returns
+    -------
+    factors : dict
+        ``{layer name: (H_in, H_out)}`` in chain order; float64 (``accum_dtype``) arrays of the
+        inputs' namespace and device, exactly symmetric.
+    report : HessianReport
+        Passes, stage evaluations, VJPs, peak bytes by kind, the plan's leaf ranges.
+    """
+    t0 = time.perf_counter()
+    P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
+                 accum_dtype, weights, refine, refine_iters)
+    xp, body, batches = P["xp"], P["body"], P["batches"]
+    L = len(body)
+    report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
+                           budget_bytes=budget_bytes, checkpoint=P["checkpoint"], refine=refine,
+                           refine_iters=int(refine_iters))
+    report.planned_peak_bytes = max(node.peak for node in _walk(P["plan"]))
+    eng = _Engine(xp, body, P["head"], int(seed), check_finite)
+    ledger = _Ledger()
+    run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
+    run.node(P["plan"])
+    results = {n: run.results[n] for names in P["names_at"] for n in names if n in run.results}
+    report.peak_bytes = ledger.peak_total
+    report.peak_activation_bytes = ledger.peak["act"]
+    report.peak_buffer_bytes = ledger.peak["buf"]
+    report.peak_cache_bytes = ledger.peak["cache"]
+    report.peak_states = ledger.peak_states
+    report.seconds = time.perf_counter() - t0
+    return results, report
+
+
+class _Run:
+    """Executes a plan: split passes fill the boundary caches, leaves run their sweeps."""
+
+    def __init__(self, P, eng, ledger, report, refine, refine_iters, sink):
+        self.P, self.eng, self.ledger, self.report = P, eng, ledger, report
+        self.xp = P["xp"]
+        self.L = len(P["body"])
+        self.refine, self.iters, self.sink = refine, refine_iters, sink
+        self.h_cache, self.d_cache = {}, {}
+        self.results = {}
+
+    def _h(self, a, k):
+        return self.P["batches"][k] if a == 0 else self.h_cache[a][k]
+
+    def _d(self, b, k):
+        return None if b == self.L else self.d_cache[b][k]
+
+    def _sweep(self, rec, a, c, b, on_batch=None):
+        """One pass over all batches: advance a→c, reverse [c, b)."""
+        eng, led = self.eng, self.ledger
+        e0, v0, h0 = eng.evals, eng.vjps, eng.heads
+        out_h, out_d = [], []
+        for k in range(len(self.P["batches"])):
+            eng.batch, eng.shapes = k, self.P["shapes"][k]
+            if on_batch is not None:
+                on_batch(k)
+            h, owned = _advance(eng, led, a, c, self._h(a, k), False)
+            if owned:
+                led.move("act", "cache", eng.nbytes(h))
+                out_h.append(h)
+            d = _reverse(eng, led, c, b, h, self._d(b, k), rec.schedule, rec.snapshots, c > a)
+            del h
+            if d is not None:
+                led.move("act", "cache", eng.nbytes(d))
+                out_d.append(d)
+        rec.stage_evals, rec.vjp_evals, rec.head_evals = (eng.evals - e0, eng.vjps - v0,
+                                                          eng.heads - h0)
+        self.report.sweeps.append(rec)
+        return out_h, out_d
+
+    def node(self, node):
+        if isinstance(node, _Skip):
+            return
+        if isinstance(node, _Leaf):
+            self.leaf(node)
+            return
+        a, b, c = node.start, node.stop, node.cut
+        rec = SweepRecord("split", a, b, c, node.schedule, node.snapshots)
+        self.eng.collect = lambda i, key, x, g: None
+        self.h_cache[c], self.d_cache[c] = self._sweep(rec, a, c, b)
+        self.node(node.right)
+        self._drop_cache(self.h_cache, c)
+        self.node(node.left)
+        self._drop_cache(self.d_cache, c)
+
+    def _drop_cache(self, cache, c):
+        states = cache.pop(c)
+        self.ledger.free("cache", sum(self.eng.nbytes(s) for s in states), 0)
+
+    def leaf(self, node):
+        xp, P = self.xp, self.P
+        a, b = node.start, node.stop
+        self.report.leaf_ranges.append((a, b))
+        names = [n for i in range(a, b) for n in P["names_at"][i]]
+        owner = {n: i for i in range(a, b) for n in P["names_at"][i]}
+        acc_dtype = P["acc_dtype"]
+        dev = _xp.device(P["batches"][0])
+        nbuf = sum((P["layer_shapes"][n][0] ** 2 + P["layer_shapes"][n][1] ** 2)
+                   * (xp.finfo(acc_dtype).bits // 8) for n in names)
+        self.ledger.alloc("buf", nbuf, 0)
+        current = {}
+        state = {"w": None}
+
+        def key_of(i, key):
+            return f"stage{i}" if key is None else key
+
+        def check_pair(i, name, x, g):
+            m, n = P["layer_shapes"][name]
+            if x.shape[-1] != n or g.shape[-1] != m or tuple(x.shape[:-1]) != tuple(g.shape[:-1]):
+                raise ValueError(f"stage {stage_label(P['body'][i], i)} collected x of shape "
+                                 f"{tuple(x.shape)} and g of shape {tuple(g.shape)} for layer "
+                                 f"{name!r}, which is {m} x {n}")
+
+        steps = ["kfac"] + ["refine_out", "refine_in"] * self.iters
+        for step in steps:
+            accs = {}
+            if step == "kfac":
+                for n in names:
+                    m_, n_ = P["layer_shapes"][n]
+                    accs[n] = (FactorAccumulator(n_, xp=xp, dtype=acc_dtype, device=dev),
+                               FactorAccumulator(m_, xp=xp, dtype=acc_dtype, device=dev))
+            else:
+                for n in names:
+                    H_in, H_out = current[n]
+                    fixed = H_in if step == "refine_out" else H_out
+                    size = H_out.shape[0] if step == "refine_out" else H_in.shape[0]
+                    accs[n] = FactorAccumulator(size, xp=xp, dtype=acc_dtype, device=dev,
+                                                divisor=frobenius_sq(xp, fixed))
+                    # the factor being replaced is no longer needed
+                    current[n] = (H_in, None) if step == "refine_out" else (None, H_out)
+
+            def collect(i, key, x, g, _step=step, _accs=accs):
+                name = key_of(i, key)
+                if owner.get(name) != i:
+                    raise ValueError(f"stage {stage_label(P['body'][i], i)} collected a layer "
+                                     f"named {name!r} that its linears() does not declare")
+                check_pair(i, name, x, g)
+                m, n = P["layer_shapes"][name]
+                lead = tuple(x.shape[:-1])
+                w_tok = _token_weights(xp, state["w"], lead)
+                if _step == "kfac":
+                    _accs[name][0].update(x, w_tok)
+                    _accs[name][1].update(g, w_tok)
+                    return
+                H_in, H_out = current[name]
+                if self.refine == "token":
+                    if _step == "refine_out":
+                        _accs[name].update(g, w_tok, coef=token_quadratic(xp, x, H_in))
+                    else:
+                        _accs[name].update(x, w_tok, coef=token_quadratic(xp, g, H_out))
+                    return
+                B = x.shape[0]
+                X3, G3 = xp.reshape(x, (B, -1, n)), xp.reshape(g, (B, -1, m))
+                if _step == "refine_out":
+                    _accs[name].update_sequences(G3, sequence_mix(xp, X3, H_in), state["w"])
+                else:
+                    _accs[name].update_sequences(X3, sequence_mix(xp, G3, H_out), state["w"])
+
+            def on_batch(k):
+                state["w"] = P["weights"][k]
+
+            self.eng.collect = collect
+            rec = SweepRecord(step, a, b, None, node.schedule, node.snapshots)
+            self._sweep(rec, a, a, b, on_batch)
+            for n in names:
+                if step == "kfac":
+                    current[n] = (accs[n][0].value(), accs[n][1].value())
+                elif step == "refine_out":
+                    current[n] = (current[n][0], accs[n].value())
+                else:
+                    current[n] = (accs[n].value(), current[n][1])
+            del accs
+        for n in names:
+            if self.sink is not None:
+                self.sink(n, *current[n])
+            else:
+                self.results[n] = current[n]
+        self.ledger.free("buf", nbuf, 0)
