@@ -341,34 +341,49 @@ class _Planner:
         if leaf is not None:
             return _Leaf(a, b, leaf[0], leaf[1], held + buf + leaf[2])
         c = self.split_point(a, b)
+        failure = None
         if c is not None:
             hc, dc = self.cache_bytes(c), self.cache_bytes(c)
             split = self.choose(a, c, b, self.budget - held - hc - dc)
             if split is not None:
-                right = self.plan(c, b, held + hc + dc)
-                left = self.plan(a, c, held + dc)
-                return _Split(a, b, c, split[0], split[1], held + hc + dc + split[2],
-                              right, left)
-        if prefer > 1 and avail >= 0:   # cannot split: accept more recomputation
+                try:
+                    right = self.plan(c, b, held + hc + dc)
+                    left = self.plan(a, c, held + dc)
+                    return _Split(a, b, c, split[0], split[1], held + hc + dc + split[2],
+                                  right, left)
+                except _TooSmall as exc:
+                    failure = exc
+        if prefer > 1 and avail >= 0:   # splitting does not fit: accept more recomputation
             leaf = self.choose(a, a, b, avail, 1)
             if leaf is not None:
                 return _Leaf(a, b, leaf[0], leaf[1], held + buf + leaf[2])
-        self._too_small(a, b, held, c)
+        raise self._too_small(a, b, held, c) from failure
 
     def _too_small(self, a, b, held, c):
-        need_act = _simulate(self.sizes, a, a, b, b == self.L, "binomial", 1)[0]
+        sched, s = self.checkpoint, self.snapshots
+        if sched == "store_all":
+            s = b - a
+        elif sched == "bisection":
+            s = bisection_slots(b - a)
+        else:
+            sched, s = "binomial", min(s or 1, b - a)
+        need_act = _simulate(self.sizes, a, a, b, b == self.L, sched, s)[0]
         layers = ", ".join(repr(n) for i in range(a, b) for n in self.names_at[i])
         msg = (f"budget_bytes={self.budget} is too small: collecting layer(s) {layers} "
                f"(stages {a}..{b - 1}) needs {self.buffers(a, b)} bytes of factor buffers + "
-               f"at least {need_act} bytes of activations")
+               f"at least {need_act} bytes of activations ({sched}, {s} snapshots)")
         if held:
             msg += f", with {held} bytes of boundary states cached for it"
         if c is not None:
             msg += (f"; splitting at stage {c} would cache {2 * self.cache_bytes(c)} bytes of "
-                    f"boundary states")
+                    f"boundary states and does not fit either")
         need = held + self.buffers(a, b) + need_act
-        raise ValueError(msg + f". Give at least about {need} bytes, smaller calibration "
+        return _TooSmall(msg + f". Give at least about {need} bytes, smaller calibration "
                                f"batches, or budget_bytes=None")
+
+
+class _TooSmall(ValueError):
+    """The memory budget cannot hold any schedule for a layer range."""
 
 
 def _walk(node):
@@ -510,11 +525,21 @@ def _token_weights(xp, w, lead):
 # the public driver
 # --------------------------------------------------------------------------------------------
 def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
-                snapshots=None, accum_dtype=None):
-    """The plan :func:`global_factors` would run (a tree of leaf / split / skip nodes)."""
-    ctx = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                   accum_dtype, None, "token", 0)
-    return ctx["plan"]
+                snapshots=None, accum_dtype=None) -> dict:
+    """What :func:`global_factors` would run, without running it.
+
+    Returns ``{"leaves": [(start, stop, schedule, snapshots), ...], "splits": [(start, stop,
+    cut, schedule, snapshots), ...], "planned_peak_bytes": int}`` in execution order; raises
+    the same errors (shapes, budget too small) as :func:`global_factors`.
+    """
+    P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
+                 accum_dtype, None, "token", 0)
+    nodes = list(_walk(P["plan"]))
+    return {"leaves": [(n.start, n.stop, n.schedule, n.snapshots) for n in nodes
+                       if isinstance(n, _Leaf)],
+            "splits": [(n.start, n.stop, n.cut, n.schedule, n.snapshots) for n in nodes
+                       if isinstance(n, _Split)],
+            "planned_peak_bytes": max(n.peak for n in nodes)}
 
 
 def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
