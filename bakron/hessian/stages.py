@@ -16,8 +16,8 @@ object with
     ``x`` (shape ``(..., n)``) and output gradients ``g = ∂loss/∂y`` (shape ``(..., m)``, same
     leading axes): this is where the driver accumulates ``H_in`` and ``H_out``.
 ``linears() -> dict``
-    ``{key: (m, n)}`` for the linear weights it holds (empty for none), in the order its
-    ``vjp`` collects them. ``None`` as the key means "name it after the stage's position".
+    ``{key: (m, n)}`` for the linear weights it holds (empty for none); its ``vjp`` calls
+    ``collect`` once for each. ``None`` as the key means "name it after the stage's position".
 ``arrays() -> tuple``
     its parameter arrays (used to check that everything lives in one namespace).
 
