@@ -1,0 +1,337 @@
+"""The CUDA kernel of the ``cuda`` engine: a batch of base blocks, each solved by the tile-level
+anti-diagonal wavefront with the scalar quantizer fused, in one cooperative launch.
+
+Imported only by :mod:`bakron.backends.numba_cuda` (which imports ``numba.cuda`` lazily).
+
+What one launch does
+--------------------
+``nblk`` independent blocks of tiles (descriptors in ``desc``, 8 int64 each:
+``ra, rb, ca, cb`` tile ranges, ``f_off, f_ld`` where the block's base offsets / local
+accumulator live, ``0, 0`` reserved). Step ``g = 0, 1, ...`` handles local anti-diagonal
+``Mb + Nb - 2 - g`` of every block (two-sided) or tile column ``Nb - 1 - g`` (one-sided); all the
+tiles of a step, over all blocks, are spread over the CTAs of the grid (one 16 x 16 tile per CTA
+at a time, one thread per element), and ``this_grid().sync()`` separates the steps. So a block's
+whole wavefront, and a whole phase of independent blocks, is one launch.
+
+The target of tile (a, b) of a block with rows [R0, R1) and columns [C0, C1) (SPEC §3, in the
+block-local accumulator form of SPEC §4) is::
+
+    T = W + F + Yg + P + sum_{l >= j1, l < C1} Y[rows a, l] A_I[l, cols b]
+    P = sum_{k >= i1, k < R1} A_O[k, rows a]^T E[k, cols b]          ("pull", two-sided only)
+
+where ``F`` is the feedback from outside the block (optional), ``Yg`` the global accumulator's
+identity term (two-level wavefront, optional), ``E`` the errors of tiles already solved and
+``Y = G_O[block]^T E[block]`` the block's local accumulator, built row by row: after rounding,
+``Y[rows a, cols b] = P + E_ab``. ``Y`` is stored where ``F`` is (``F`` of an element is read
+before its ``Y`` is written, and neither is needed after the block is solved), so a block needs
+no scratch beyond ``E``.
+
+The rounding is the one of :meth:`bakron.UniformQuantizer.quantize`: ``round(t / s)`` half to
+even (``cvt.rni``), clip, ``s * c`` (symmetric) or ``s * (c - z)``, in the working dtype, so a
+given target rounds bit-identically; the targets are sums in another order than the array-API
+path, so results agree exactly in float64 and up to near-ties in float32 (SPEC §4).
+
+The same Python source runs compiled (arguments are raw device pointers, ``CPointer``, so a
+launch wraps nothing) and under numba-cuda's simulator (arguments are flat numpy arrays; the
+simulator supports cooperative grids of one block).
+"""
+from __future__ import annotations
+
+import math
+
+from numba import cuda, types  # this module is imported lazily, by numba_cuda only
+
+#: flag bits of a launch
+HAS_F = 1
+HAS_YG = 2
+TWO_SIDED = 4
+ASYM = 8
+HAS_T = 16
+
+#: descriptor fields per block
+DESC = 8
+
+_CACHE: dict = {}
+
+
+def threads_for(tx: int, ty: int) -> int:
+    """Threads per CTA for a tx x ty tile: one per element, 32..256."""
+    e = tx * ty
+    return int(min(256, max(32, 32 * math.ceil(e / 32))))
+
+
+def chunk_for(tx: int, ty: int, itemsize: int) -> int:
+    """K-chunk of the staged products so that the four shared arrays stay within ~40 KiB."""
+    kc = 40960 // ((2 * tx + 2 * ty) * itemsize)
+    kc = max(8, min(64, kc - kc % 8))
+    return int(kc)
+
+
+def supported_tile(tx: int, ty: int) -> bool:
+    return tx * ty <= 1024 and tx <= 64 and ty <= 64
+
+
+def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
+    """The block kernel for ``dtype_name`` ('float32'/'float64') and a ``tx x ty`` tile.
+
+    ``mode='ptr'``: compiled eagerly with raw-pointer arguments (launch with integers);
+    ``mode='array'``: lazily compiled with flat 1-D array arguments (simulator, or fallback).
+    ``maxreg``: register cap per thread (0: the compiler's choice). Returns
+    ``(dispatcher, threads)``.
+    """
+    key = (dtype_name, tx, ty, mode, maxreg)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    dt = types.float32 if dtype_name == "float32" else types.float64
+    isz = 4 if dtype_name == "float32" else 8
+    TX, TY = int(tx), int(ty)
+    NT = threads_for(TX, TY)
+    KC = chunk_for(TX, TY, isz)
+    NE = (TX * TY + NT - 1) // NT
+    TXY = TX * TY
+    KTX = KC * TX
+    KTY = KC * TY
+    i16 = types.int16
+
+    def block_kernel(W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc,
+                     m, n, nblk, nsteps, flags, s_rows, s_cols, z_rows, z_cols, gsz,
+                     lo_i, hi_i):
+        sAO = cuda.shared.array((KC, TX), dt)
+        sE = cuda.shared.array((KC, TY), dt)
+        sY = cuda.shared.array((TX, KC), dt)
+        sAI = cuda.shared.array((KC, TY), dt)
+        accp = cuda.local.array(NE, dt)
+        acct = cuda.local.array(NE, dt)
+        grid = cuda.cg.this_grid()
+        tid = cuda.threadIdx.x
+        two = (flags & TWO_SIDED) != 0
+        has_f = (flags & HAS_F) != 0
+        has_yg = (flags & HAS_YG) != 0
+        asym = (flags & ASYM) != 0
+        has_t = (flags & HAS_T) != 0
+        lo = dt(lo_i)
+        hi = dt(hi_i)
+        zero = dt(0.0)
+        for g in range(nsteps):
+            # tiles of this step over all blocks
+            total = 0
+            for bi in range(nblk):
+                ra = desc[bi * DESC + 0]
+                rb = desc[bi * DESC + 1]
+                ca = desc[bi * DESC + 2]
+                cb = desc[bi * DESC + 3]
+                Mb = rb - ra
+                Nb = cb - ca
+                if two:
+                    s = Mb + Nb - 2 - g
+                    if s >= 0:
+                        alo = s - Nb + 1
+                        if alo < 0:
+                            alo = 0
+                        ahi = s
+                        if ahi > Mb - 1:
+                            ahi = Mb - 1
+                        total += ahi - alo + 1
+                else:
+                    if g < Nb:
+                        total += Mb
+            w = cuda.blockIdx.x
+            while w < total:
+                # locate item w: block bi, tile (a, b)
+                rem = w
+                a = 0
+                b = 0
+                ra = 0
+                rb = 0
+                ca = 0
+                cb = 0
+                f_off = 0
+                f_ld = 0
+                for bi in range(nblk):
+                    ra = desc[bi * DESC + 0]
+                    rb = desc[bi * DESC + 1]
+                    ca = desc[bi * DESC + 2]
+                    cb = desc[bi * DESC + 3]
+                    Mb = rb - ra
+                    Nb = cb - ca
+                    cnt = 0
+                    alo = 0
+                    s = 0
+                    if two:
+                        s = Mb + Nb - 2 - g
+                        if s >= 0:
+                            alo = s - Nb + 1
+                            if alo < 0:
+                                alo = 0
+                            ahi = s
+                            if ahi > Mb - 1:
+                                ahi = Mb - 1
+                            cnt = ahi - alo + 1
+                    else:
+                        if g < Nb:
+                            cnt = Mb
+                    if rem < cnt:
+                        f_off = desc[bi * DESC + 4]
+                        f_ld = desc[bi * DESC + 5]
+                        if two:
+                            a = ra + alo + rem
+                            b = ca + (s - (alo + rem))
+                        else:
+                            a = ra + rem
+                            b = ca + (Nb - 1 - g)
+                        break
+                    rem -= cnt
+                R0 = ra * TX
+                R1 = rb * TX
+                if R1 > m:
+                    R1 = m
+                C0 = ca * TY
+                C1 = cb * TY
+                if C1 > n:
+                    C1 = n
+                i0 = a * TX
+                i1 = i0 + TX
+                if i1 > m:
+                    i1 = m
+                hx = i1 - i0
+                j0 = b * TY
+                j1 = j0 + TY
+                if j1 > n:
+                    j1 = n
+                hy = j1 - j0
+                npull = 0
+                if two:
+                    npull = (R1 - i1 + KC - 1) // KC
+                ntgt = (C1 - j1 + KC - 1) // KC
+                nch = npull
+                if ntgt > nch:
+                    nch = ntgt
+                for e in range(NE):
+                    accp[e] = zero
+                    acct[e] = zero
+                for c in range(nch):
+                    if c < npull:
+                        k0 = i1 + c * KC
+                        kc = R1 - k0
+                        if kc > KC:
+                            kc = KC
+                        for idx in range(tid, KTX, NT):
+                            kk = idx // TX
+                            ii = idx - kk * TX
+                            v = zero
+                            if kk < kc and ii < hx:
+                                v = AO[(k0 + kk) * m + i0 + ii]
+                            sAO[kk, ii] = v
+                        for idx in range(tid, KTY, NT):
+                            kk = idx // TY
+                            jj = idx - kk * TY
+                            v = zero
+                            if kk < kc and jj < hy:
+                                v = E[(k0 + kk) * n + j0 + jj]
+                            sE[kk, jj] = v
+                    if c < ntgt:
+                        l0 = j1 + c * KC
+                        lc = C1 - l0
+                        if lc > KC:
+                            lc = KC
+                        for idx in range(tid, KTX, NT):
+                            ii = idx // KC
+                            kk = idx - ii * KC
+                            v = zero
+                            if ii < hx and kk < lc:
+                                v = F[f_off + (i0 + ii - R0) * f_ld + (l0 + kk - C0)]
+                            sY[ii, kk] = v
+                        for idx in range(tid, KTY, NT):
+                            kk = idx // TY
+                            jj = idx - kk * TY
+                            v = zero
+                            if kk < lc and jj < hy:
+                                v = AI[(l0 + kk) * n + j0 + jj]
+                            sAI[kk, jj] = v
+                    cuda.syncthreads()
+                    for e in range(NE):
+                        el = tid + e * NT
+                        if el < TXY:
+                            ii = el // TY
+                            jj = el - ii * TY
+                            if c < npull:
+                                sp = zero
+                                for kk in range(KC):
+                                    sp += sAO[kk, ii] * sE[kk, jj]
+                                accp[e] += sp
+                            if c < ntgt:
+                                st = zero
+                                for kk in range(KC):
+                                    st += sY[ii, kk] * sAI[kk, jj]
+                                acct[e] += st
+                    cuda.syncthreads()
+                # round the tile
+                for e in range(NE):
+                    el = tid + e * NT
+                    if el < TXY:
+                        ii = el // TY
+                        jj = el - ii * TY
+                        if ii < hx and jj < hy:
+                            i = i0 + ii
+                            j = j0 + jj
+                            gi = i * n + j
+                            fi = f_off + (i - R0) * f_ld + (j - C0)
+                            w_ = W[gi]
+                            t = w_
+                            if has_f:
+                                t += F[fi]
+                            if has_yg:
+                                t += Yg[gi]
+                            t += accp[e]
+                            t += acct[e]
+                            if has_t:
+                                T[gi] = t
+                            si = 0
+                            if s_rows > 1:
+                                si = i * s_cols
+                            if s_cols > 1:
+                                si += j // gsz
+                            sc = S[si]
+                            q = dt(round(t / sc))
+                            if asym:
+                                zi = 0
+                                if z_rows > 1:
+                                    zi = i * z_cols
+                                if z_cols > 1:
+                                    zi += j // gsz
+                                zp = Z[zi]
+                                cq = q + zp
+                                if cq < lo:
+                                    cq = lo
+                                if cq > hi:
+                                    cq = hi
+                                val = sc * (cq - zp)
+                            else:
+                                cq = q
+                                if cq < lo:
+                                    cq = lo
+                                if cq > hi:
+                                    cq = hi
+                                val = sc * cq
+                            err = w_ - val
+                            Wq[gi] = val
+                            codes[gi] = i16(cq)
+                            E[gi] = err
+                            F[fi] = accp[e] + err
+                            if has_yg:
+                                Yg[gi] += err
+                w += cuda.gridDim.x
+            grid.sync()
+
+    if mode == "ptr":
+        P = types.CPointer(dt)
+        sig = (P, P, P, P, P, P, P, types.CPointer(types.int16), P, P, P,
+               types.CPointer(types.int64)) + (types.int64,) * 12
+        opts = {"max_registers": int(maxreg)} if maxreg else {}
+        disp = cuda.jit(sig, **opts)(block_kernel)
+    else:
+        disp = cuda.jit(block_kernel)
+    out = (disp, NT)
+    _CACHE[key] = out
+    return out

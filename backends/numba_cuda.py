@@ -1,0 +1,709 @@
+"""The CUDA engine: numba-cuda kernels for the base blocks, cuBLAS (through cupy) for the GEMMs.
+
+Selected by ``bakron.solve(..., engine="cuda")`` and by ``engine="auto"`` for cupy inputs with a
+:class:`bakron.UniformQuantizer`. cupy arrays in, cupy arrays out, on the caller's device and
+current stream. This is the one module that imports ``numba.cuda`` (lazily: ``import bakron``
+never does). Under numba-cuda's simulator (``NUMBA_ENABLE_CUDASIM=1`` set before numba is
+imported) the same kernels run on numpy arrays, with the GEMMs emulated on the host through the
+same pointer/leading-dimension arithmetic, so CI without a GPU exercises the code.
+
+Methods (all give the same Ŵ, exactly in float64; see ``backends/_cuda_kernels.py`` for the
+kernel and SPEC §4 for the schedules):
+
+``antidiagonal`` (variant ``accumulator``)
+    the tile-level accumulator wavefront over the whole matrix in ONE cooperative launch
+    (``M + N - 1`` grid-synchronised steps). The project's anti-diagonal solver on the GPU:
+    the baseline the speed-ups are quoted against. ``variant="direct"`` falls back to the
+    array-API path (a Python loop of cupy calls).
+``wavefront`` (two-level; reached through ``method="auto"``)
+    the accumulator anti-diagonal over coarse blocks of ``base`` x ``base`` tiles: per coarse
+    diagonal one batched cuBLAS GEMM forms the base targets of all its blocks from the global
+    accumulator ``Yg = G_O^T Ẽ``, one launch solves all its blocks (tile wavefront inside,
+    quantizer fused), one batched GEMM pushes their errors into ``Yg``. ``M_c + N_c - 1``
+    coarse steps, each ``2 base - 1`` grid-synchronised tile steps.
+``recursive``
+    the quadrant recursion of SPEC §4 over blocks of ``base`` tiles, level-synchronous: all
+    independent blocks of a phase (B and C, and everything below them) are solved in one launch;
+    the feedback updates are cuBLAS GEMMs on views (no copies).
+
+Which one is fastest is measured (``python -m bakron.bench_gpu``, docs/benchmarks/h200.md) and
+``method="auto"`` follows those measurements.
+
+Memory beyond the inputs, the factors and the outputs (``Ŵ``, int16 codes): ``E`` (m n) plus
+``Yg`` (m n) for the wavefront, ``F`` (m n) for the recursion, a scratch (m n) for the
+anti-diagonal; the wavefront adds one coarse diagonal of base targets (at most
+``min(M_c, N_c)`` blocks).
+
+Options (module attributes, or environment variables read at import):
+
+* ``TF32`` (``BAKRON_CUDA_TF32=1``): let cuBLAS use TF32 tensor cores for float32 GEMMs
+  (faster, less accurate: Ŵ may differ from float64 in many more places). Off by default.
+* ``MAXREG`` (``BAKRON_CUDA_MAXREG``, default 128): register cap of the kernel (two CTAs of
+  256 threads per SM at 128); 0 leaves it to the compiler.
+* ``LAUNCH`` (``BAKRON_CUDA_LAUNCH``, ``ptr`` or ``array``): pass raw device pointers to the
+  kernel (no wrapping per launch) or wrapped 1-D arrays (``cuda.as_cuda_array``; slower).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+__all__ = ["available", "supports", "solve_block", "solve", "warm_up", "DEFAULT_BASE"]
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+TF32 = os.environ.get("BAKRON_CUDA_TF32", "0") == "1"
+MAXREG = int(os.environ.get("BAKRON_CUDA_MAXREG", "128"))
+LAUNCH = os.environ.get("BAKRON_CUDA_LAUNCH", "array" if SIM else "ptr")
+
+#: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
+#: (the recursion's base, the wavefront's coarse block). Measured: docs/benchmarks/h200.md.
+DEFAULT_BASE = 16
+
+#: methods this engine runs itself
+METHODS = ("antidiagonal", "wavefront", "recursive")
+
+_STREAMS: dict = {}
+_MAXGRID: dict = {}
+
+
+class _Flags:
+    """Kernel flag bits and descriptor width, without importing the kernel module."""
+    HAS_F, HAS_YG, TWO_SIDED, ASYM, HAS_T, DESC = 1, 2, 4, 8, 16, 8
+
+
+_K = _Flags
+
+
+def _cuda():
+    from numba import cuda
+    return cuda
+
+
+def _kernels():
+    from . import _cuda_kernels
+    return _cuda_kernels
+
+
+def available() -> bool:
+    """numba-cuda imports and a CUDA device (with cupy) exists, or the simulator is on."""
+    try:
+        cuda = _cuda()
+    except Exception:
+        return False
+    if SIM:
+        return True
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False
+        return bool(cuda.is_available())
+    except Exception:
+        return False
+
+
+def _is_uniform(q) -> bool:
+    from bakron.quantizers import UniformQuantizer
+    return isinstance(q, UniformQuantizer) and type(q).quantize is UniformQuantizer.quantize
+
+
+def supports(p) -> bool:
+    """cupy arrays (numpy under the simulator), float32/float64, a UniformQuantizer, tiles of
+    at most 1024 elements."""
+    from bakron import _xp
+    if not _is_uniform(p.quantizer):
+        return False
+    if str(p.dtype) not in ("float32", "float64"):
+        return False
+    if not (p.tx * p.ty <= 1024 and p.tx <= 64 and p.ty <= 64):
+        return False
+    if SIM:
+        return _xp.is_numpy(p.xp)
+    return _xp.is_cupy(p.xp)
+
+
+# ------------------------------------------------------------------------------------------
+# the run context: buffers, stream, kernel launches, GEMMs
+# ------------------------------------------------------------------------------------------
+
+class _Run:
+    """Everything one solve needs on the device."""
+
+    def __init__(self, p):
+        self.p = p
+        if SIM:
+            self.mod = np
+        else:
+            import cupy
+            self.mod = cupy
+        mod = self.mod
+        self.dtname = str(p.dtype)
+        self.isz = 4 if self.dtname == "float32" else 8
+        self.m, self.n = p.m, p.n
+        self.W = mod.ascontiguousarray(p.W)
+        self.AI = mod.ascontiguousarray(p.A_I)
+        self.AO = mod.ascontiguousarray(p.A_O) if p.two_sided else None
+        if not (p.Wq.flags.c_contiguous):
+            p.Wq = mod.ascontiguousarray(p.Wq)
+        if p.codes is None or p.codes.dtype != mod.int16 or not p.codes.flags.c_contiguous:
+            p.codes = mod.empty((p.m, p.n), dtype=mod.int16)
+        p.codes_seen = True
+        q = p.quantizer
+        s_tab, z_tab = q.tables(p.xp, p.device, p.dtype)
+        self.S = mod.ascontiguousarray(s_tab)
+        self.Z = None if z_tab is None else mod.ascontiguousarray(z_tab)
+        self.s_shape = tuple(int(v) for v in self.S.shape)
+        self.z_shape = (1, 1) if self.Z is None else tuple(int(v) for v in self.Z.shape)
+        self.gsz = int(q.group_size or 1)
+        self.lo, self.hi = q.code_range
+        self.flags0 = ((_K.TWO_SIDED if p.two_sided else 0) | (0 if q.symmetric else _K.ASYM)
+                       | (_K.HAS_T if p.T is not None else 0))
+        if p.T is not None and not p.T.flags.c_contiguous:
+            p.T = mod.ascontiguousarray(p.T)
+        self.kernel, self.nt = _kernels().make_kernel(self.dtname, p.tx, p.ty,
+                                             "array" if (SIM or LAUNCH == "array") else "ptr",
+                                             0 if SIM else MAXREG)
+        self.launches = 0
+        self.gemms = 0
+        if SIM:
+            self.stream = None
+            self.nstream = None
+            self.dev = 0
+        else:
+            import cupy
+            self.stream = cupy.cuda.get_current_stream()
+            self.dev = cupy.cuda.Device().id
+            self.nstream = _numba_stream(self.stream.ptr, self.dev)
+            self.handle = cupy.cuda.device.get_cublas_handle()
+        self._wrapped: dict = {}
+
+    # -- kernel --------------------------------------------------------------------------
+    def max_grid(self) -> int:
+        if SIM:
+            return 1
+        key = (self.dtname, self.p.tx, self.p.ty, LAUNCH, MAXREG, self.dev)
+        g = _MAXGRID.get(key)
+        if g is None:
+            cuda = _cuda()
+            with cuda.gpus[self.dev]:
+                if LAUNCH == "ptr":
+                    kern = next(iter(self.kernel.overloads.values()))
+                    g = int(kern.max_cooperative_grid_blocks(self.nt))
+                else:
+                    g = int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+            _MAXGRID[key] = g = max(1, g)
+        return g
+
+    def _arg(self, x):
+        """A kernel argument for array ``x`` (flat): a device pointer or a 1-D array."""
+        if SIM:
+            return x.reshape(-1)
+        if LAUNCH == "ptr":
+            return int(x.data.ptr)
+        key = id(x)
+        hit = self._wrapped.get(key)
+        if hit is None:
+            hit = self._wrapped[key] = (_cuda().as_cuda_array(x.reshape(-1), sync=False), x)
+        return hit[0]
+
+    def launch(self, desc, first: int, nblk: int, nsteps: int, grid: int, flags: int,
+               F, Yg=None):
+        """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``)."""
+        p = self.p
+        W = self.W
+        if SIM:
+            dsc = desc[first * _K.DESC:]
+        elif LAUNCH == "ptr":
+            dsc = int(desc.data.ptr) + first * _K.DESC * 8
+        else:
+            dsc = self._arg(desc)[first * _K.DESC:]
+        a = self._arg
+        args = (a(W), a(self.AO if self.AO is not None else W), a(self.AI), a(F), a(self.E),
+                a(Yg if Yg is not None else W), a(p.Wq), a(p.codes), a(self.S),
+                a(self.Z if self.Z is not None else self.S), a(p.T if p.T is not None else W),
+                dsc, self.m, self.n, nblk, nsteps, flags | self.flags0,
+                self.s_shape[0], self.s_shape[1], self.z_shape[0], self.z_shape[1], self.gsz,
+                self.lo, self.hi)
+        grid = max(1, min(grid, self.max_grid()))
+        self.launches += 1
+        if SIM:
+            self.kernel[1, self.nt](*args)
+            return
+        cuda = _cuda()
+        with cuda.gpus[self.dev]:
+            if LAUNCH == "ptr":
+                kern = next(iter(self.kernel.overloads.values()))
+                kern.launch(args, (grid, 1, 1), (self.nt, 1, 1), self.nstream, 0)
+            else:
+                self.kernel[grid, self.nt, self.nstream](*args)
+
+    # -- tables: planned once per shape, uploaded once, cached --------------------------
+    def device_table(self, table: np.ndarray):
+        """An int64 host table on the device (plans are cached, so this runs once per
+        shape and device: the one host-to-device copy is not inside repeated solves)."""
+        if SIM:
+            return np.ascontiguousarray(table, dtype=np.int64)
+        return self.mod.asarray(np.ascontiguousarray(table, dtype=np.int64))
+
+    # -- GEMMs ---------------------------------------------------------------------------
+    def gemm_view(self, C, A, B, ta=False, tb=False, alpha=1.0, beta=1.0):
+        """``C = alpha op(A) op(B) + beta C`` on 2-D views with unit column stride."""
+        self.gemms += 1
+        if SIM:
+            oa = A.T if ta else A
+            ob = B.T if tb else B
+            if beta == 0.0:
+                C[...] = alpha * (oa @ ob)
+            else:
+                C[...] = alpha * (oa @ ob) + beta * C
+            return
+        M, N = C.shape
+        K = A.shape[0] if ta else A.shape[1]
+        if M == 0 or N == 0:
+            return
+        if K == 0:
+            if beta != 1.0:
+                C *= beta
+            return
+        self._gemm(ta, tb, M, N, K, alpha, A.data.ptr, _ld(A, self.isz), B.data.ptr,
+                   _ld(B, self.isz), beta, C.data.ptr, _ld(C, self.isz))
+
+    def _gemm(self, ta, tb, M, N, K, alpha, pa, lda, pb, ldb, beta, pc, ldc, batch=0):
+        """Row-major ``C = alpha op(A) op(B) + beta C`` through column-major cuBLAS
+        (``C^T = op(B)^T op(A)^T``); ``batch > 0``: pa/pb/pc are device pointer arrays."""
+        from cupy.cuda import cublas
+        h = self.handle
+        cublas.setStream(h, self.stream.ptr)
+        opa = 1 if ta else 0
+        opb = 1 if tb else 0
+        f32 = self.dtname == "float32"
+        mode = None
+        if f32 and TF32:
+            mode = cublas.getMathMode(h)
+            cublas.setMathMode(h, 3)  # CUBLAS_TF32_TENSOR_OP_MATH
+        try:
+            if batch:
+                fn = cublas.sgemmBatched if f32 else cublas.dgemmBatched
+                fn(h, opb, opa, N, M, K, alpha, pb, ldb, pa, lda, beta, pc, ldc, batch)
+            else:
+                fn = cublas.sgemm if f32 else cublas.dgemm
+                fn(h, opb, opa, N, M, K, alpha, pb, ldb, pa, lda, beta, pc, ldc)
+        finally:
+            if mode is not None:
+                cublas.setMathMode(h, mode)
+
+    def gemm_batched(self, op, ptrs):
+        """Run a planned batched GEMM ``op`` (see :func:`_plan_gemm`); ``ptrs`` is the device
+        pointer table (cupy) or the host offset table (simulator)."""
+        ta, tb, M, N, K, alpha, beta, (ba, lda), (bb, ldb), (bc, ldc), row, k = op
+        self.gemms += 1
+        if M == 0 or N == 0 or K == 0 or k == 0:
+            return
+        if SIM:
+            bufs = self.buffers
+            for j in range(k):
+                oa, ob, oc = (int(v) for v in ptrs[row:row + 3, j])
+                A = _strided(bufs[ba], oa, (K, M) if ta else (M, K), lda)
+                B = _strided(bufs[bb], ob, (N, K) if tb else (K, N), ldb)
+                C = _strided(bufs[bc], oc, (M, N), ldc)
+                oa_ = A.T if ta else A
+                ob_ = B.T if tb else B
+                if beta == 0.0:
+                    C[...] = alpha * (oa_ @ ob_)
+                else:
+                    C[...] = alpha * (oa_ @ ob_) + beta * C
+            return
+        if k == 1:
+            hp = self.host_ptrs
+            self._gemm(ta, tb, M, N, K, alpha, int(hp[row, 0]), lda, int(hp[row + 1, 0]), ldb,
+                       beta, int(hp[row + 2, 0]), ldc)
+            return
+        base = int(ptrs.data.ptr)
+        stride = ptrs.shape[1] * 8
+        self._gemm(ta, tb, M, N, K, alpha, base + row * stride, lda,
+                   base + (row + 1) * stride, ldb, beta, base + (row + 2) * stride, ldc,
+                   batch=k)
+
+
+def _ld(X, isz: int) -> int:
+    """Leading dimension (elements) of a 2-D row-major view with unit column stride."""
+    if X.ndim != 2 or (X.shape[1] > 1 and X.strides[1] != isz):
+        raise ValueError("internal: GEMM operand must have unit column stride")
+    ld = X.strides[0] // isz if X.shape[0] > 1 else X.shape[1]
+    return max(1, ld, X.shape[1])
+
+
+def _strided(buf, off, shape, ld):
+    """A (rows, cols) view of the flat buffer ``buf`` at element ``off`` with leading dim ld."""
+    flat = buf.reshape(-1)
+    isz = flat.itemsize
+    return np.lib.stride_tricks.as_strided(flat[off:], shape=shape, strides=(ld * isz, isz))
+
+
+def _numba_stream(ptr: int, dev: int):
+    key = (ptr, dev)
+    s = _STREAMS.get(key)
+    if s is None:
+        cuda = _cuda()
+        with cuda.gpus[dev]:
+            s = cuda.default_stream() if ptr == 0 else cuda.external_stream(ptr)
+        _STREAMS[key] = s
+    return s
+
+
+def _diag_len(Mb: int, Nb: int, two: bool) -> int:
+    return min(Mb, Nb) if two else Mb
+
+
+def _steps(Mb: int, Nb: int, two: bool) -> int:
+    return Mb + Nb - 1 if two else Nb
+
+
+# ------------------------------------------------------------------------------------------
+# the methods
+# ------------------------------------------------------------------------------------------
+
+_PLANS: "OrderedDict" = None
+_PLAN_MAX = 32
+_PTRK = None
+_BUFS = ("Yg", "AI", "AO", "E", "Fb")
+
+
+def _cached(key, build):
+    """Plans (host schedules and their device tables) are built once per shape and device."""
+    global _PLANS
+    from collections import OrderedDict
+    if _PLANS is None:
+        _PLANS = OrderedDict()
+    hit = _PLANS.get(key)
+    if hit is None:
+        hit = _PLANS[key] = build()
+        while len(_PLANS) > _PLAN_MAX:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    return hit
+
+
+def _key(r: _Run, method: str, base: int):
+    p = r.p
+    return (method, base, p.m, p.n, p.tx, p.ty, p.two_sided, r.dev, SIM)
+
+
+def _antidiagonal(r: _Run) -> None:
+    """The whole matrix as one block: one launch of M + N - 1 grid-synchronised steps."""
+    p = r.p
+    mod = r.mod
+    two = p.two_sided
+    desc = _cached(_key(r, "antidiagonal", 0), lambda: r.device_table(
+        np.array([0, p.M, 0, p.N, 0, p.n, 0, 0], dtype=np.int64)))
+    r.E = mod.empty((p.m, p.n), dtype=p.W.dtype)
+    Y = mod.empty((p.m, p.n), dtype=p.W.dtype)  # the local accumulator G_O^T Ẽ
+    r.launch(desc, 0, 1, _steps(p.M, p.N, two), _diag_len(p.M, p.N, two), 0, Y)
+
+
+def _coarse(p, cs: int):
+    """Coarse partition: blocks of ``cs`` tiles; returns (Mc, Nc, row_tiles, col_tiles)."""
+    Mc = -(-p.M // cs)
+    Nc = -(-p.N // cs)
+    rt = [(A * cs, min(p.M, (A + 1) * cs)) for A in range(Mc)]
+    ct = [(B * cs, min(p.N, (B + 1) * cs)) for B in range(Nc)]
+    return Mc, Nc, rt, ct
+
+
+class _WavePlan:
+    """The two-level schedule: per coarse diagonal, GEMMs before, one launch, GEMMs after."""
+
+    def __init__(self, r: _Run, cs: int):
+        p = r.p
+        m, n, tx, ty = p.m, p.n, p.tx, p.ty
+        two = p.two_sided
+        Mc, Nc, rt, ct = _coarse(p, cs)
+        Sr, Sc = cs * tx, cs * ty
+        er = [(a * tx, min(m, b * tx)) for a, b in rt]     # element rows of row block A
+        ec = [(a * ty, min(n, b * ty)) for a, b in ct]
+        self.fb_size = (min(Mc, Nc) if two else Mc) * Sr * Sc
+        steps, desc_rows, entries, ops = [], [], [], []
+
+        def plan_gemm(ta, tb, M, N, K, beta, A, B, C, ent):
+            """Row-major C = op(A) op(B) + beta C per entry; A/B/C: (buffer, ld);
+            ent: [(offset A, offset B, offset C)] in elements."""
+            ops.append([ta, tb, M, N, K, 1.0, beta, A, B, C, 3 * len(ops), len(ent)])
+            entries.append(ent)
+            return len(ops) - 1
+
+        if two:
+            diags = [[(A, s - A) for A in range(max(0, s - Nc + 1), min(Mc - 1, s) + 1)]
+                     for s in reversed(range(Mc + Nc - 1))]
+        else:
+            diags = [[(A, B) for A in range(Mc)] for B in reversed(range(Nc))]
+        for si, diag in enumerate(diags):
+            first = si == 0
+            last = si == len(diags) - 1
+            shapes: dict = {}
+            for j, (A, B) in enumerate(diag):
+                hw = (er[A][1] - er[A][0], ec[B][1] - ec[B][0])
+                shapes.setdefault(hw, []).append((j, A, B))
+            before, after = [], []
+            if two and not first:
+                # base targets of every block of the diagonal from Yg (SPEC §4, accumulator):
+                # Fb_j = Yg[rows A, c0:] A_I[c0:, cols B]; A_I is zero above cols B, so one
+                # K range (from the group's leftmost block) serves the whole batch
+                for (h, w), grp in shapes.items():
+                    c0 = ec[min(B for _, _, B in grp)][0]
+                    ent = [(er[A][0] * n + c0, c0 * n + ec[B][0], j * Sr * Sc)
+                           for j, A, B in grp]
+                    before.append(plan_gemm(False, False, h, w, n - c0, 0.0,
+                                            ("Yg", n), ("AI", n), ("Fb", Sc), ent))
+            elif not two and not first:
+                B = diag[0][1]
+                c1 = ec[B][1]
+                # one-sided: Fb (m x w, ld Sc) = E[:, c1:] A_I[c1:, cols B], all rows at once
+                before.append(plan_gemm(False, False, m, ec[B][1] - ec[B][0], n - c1, 0.0,
+                                        ("E", n), ("AI", n), ("Fb", Sc),
+                                        [(c1, c1 * n + ec[B][0], 0)]))
+            flags = (_K.HAS_F if before else 0) | (_K.HAS_YG if two else 0)
+            start = len(desc_rows)
+            for j, (A, B) in enumerate(diag):
+                f_off = j * Sr * Sc if two else er[A][0] * Sc
+                desc_rows.append([rt[A][0], rt[A][1], ct[B][0], ct[B][1], f_off, Sc, 0, 0])
+            if two and not last:
+                # push the errors: Yg[0:Rg, cols B] += A_O[rows A, 0:Rg]^T E_AB (A_O is zero
+                # right of rows A, so the group's lowest block sets Rg); the kernel has added
+                # the identity part E_AB already
+                for (h, w), grp in shapes.items():
+                    Rg = er[max(A for _, A, _ in grp)][1]
+                    ent = [(er[A][0] * m, er[A][0] * n + ec[B][0], ec[B][0])
+                           for _, A, B in grp]
+                    after.append(plan_gemm(True, False, Rg, w, h, 1.0,
+                                           ("AO", m), ("E", n), ("Yg", n), ent))
+            nsteps = max(_steps(rt[A][1] - rt[A][0], ct[B][1] - ct[B][0], two)
+                         for A, B in diag)
+            grid = sum(_diag_len(rt[A][1] - rt[A][0], ct[B][1] - ct[B][0], two)
+                       for A, B in diag)
+            steps.append((start, len(diag), nsteps, grid, flags, before, after))
+        self.steps = steps
+        self.ops = ops
+        kb = max([len(e) for e in entries] + [1])
+        offs = np.zeros((3 * len(ops), kb), dtype=np.int64)
+        bidx = np.zeros((3 * len(ops), 1), dtype=np.int64)
+        for g, (op, ent) in enumerate(zip(ops, entries)):
+            for j, e in enumerate(ent):
+                offs[3 * g:3 * g + 3, j] = e
+            bidx[3 * g:3 * g + 3, 0] = [_BUFS.index(op[7][0]), _BUFS.index(op[8][0]),
+                                        _BUFS.index(op[9][0])]
+        self.offs = offs
+        self.bidx = bidx
+        self.batched = any(op[11] > 1 for op in ops)
+        self.desc = r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1))
+        if not SIM and self.batched:
+            self.offs_dev = r.device_table(offs)
+            self.bidx_dev = r.device_table(bidx)
+
+
+def _pointers(r: _Run, plan: _WavePlan, bufs: dict):
+    """Device pointer table of the planned batched GEMMs for this solve's buffers (one
+    element-wise launch with the base addresses as scalars: no host-to-device copy)."""
+    global _PTRK
+    base = [0 if bufs[b] is None else int(bufs[b].data.ptr) for b in _BUFS]
+    r.host_ptrs = plan.offs * r.isz + np.array(base, dtype=np.int64)[plan.bidx[:, 0]][:, None]
+    if not plan.batched:
+        return None
+    import cupy
+    if _PTRK is None:
+        _PTRK = cupy.ElementwiseKernel(
+            "int64 off, int64 bi, int64 isz, int64 b0, int64 b1, int64 b2, int64 b3, int64 b4",
+            "int64 ptr",
+            "ptr = off * isz + (bi == 0 ? b0 : bi == 1 ? b1 : bi == 2 ? b2 : bi == 3 ? b3 : b4)",
+            "bakron_gemm_pointers")
+    return _PTRK(plan.offs_dev, plan.bidx_dev, r.isz, *base)
+
+
+def _wavefront(r: _Run, cs: int) -> None:
+    """Two-level wavefront (SPEC §4): coarse accumulator anti-diagonal, tile wavefront inside."""
+    p = r.p
+    mod = r.mod
+    plan = _cached(_key(r, "wavefront", cs), lambda: _WavePlan(r, cs))
+    r.E = mod.empty((p.m, p.n), dtype=p.W.dtype)
+    Yg = mod.zeros((p.m, p.n), dtype=p.W.dtype) if p.two_sided else None
+    Fb = mod.empty((plan.fb_size,), dtype=p.W.dtype)
+    r.buffers = {"Yg": Yg, "AI": r.AI, "AO": r.AO, "E": r.E, "Fb": Fb}
+    ptrs = plan.offs if SIM else _pointers(r, plan, r.buffers)
+    for start, k, nsteps, grid, flags, before, after in plan.steps:
+        for g in before:
+            r.gemm_batched(plan.ops[g], ptrs)
+        r.launch(plan.desc, start, k, nsteps, grid, flags, Fb, Yg)
+        for g in after:
+            r.gemm_batched(plan.ops[g], ptrs)
+
+
+def _recursive(r: _Run, base: int) -> None:
+    """The quadrant recursion of SPEC §4, level-synchronous over independent blocks."""
+    p = r.p
+    mod = r.mod
+    m, n = p.m, p.n
+    R, C = p.rows, p.cols
+    two = p.two_sided
+    r.E = E = mod.empty((m, n), dtype=p.W.dtype)
+    F = mod.zeros((m, n), dtype=p.W.dtype)
+    AO, AI = r.AO, r.AI
+    g = r.gemm_view
+
+    # the schedule (leaves of every phase, updates between) is planned once per shape
+    def kind(nd):
+        ra, rb, ca, cb = nd
+        sr = two and rb - ra > base
+        sc = cb - ca > base
+        return "quad" if (sr and sc) else "col" if sc else "row" if sr else "leaf"
+
+    def children(nd):
+        ra, rb, ca, cb = nd
+        k = kind(nd)
+        rm, cm = (ra + rb) // 2, (ca + cb) // 2
+        if k == "quad":
+            return [[(rm, rb, cm, cb)], [(ra, rm, cm, cb), (rm, rb, ca, cm)], [(ra, rm, ca, cm)]]
+        if k == "col":
+            return [[(ra, rb, cm, cb)], [(ra, rb, ca, cm)]]
+        if k == "row":
+            return [[(rm, rb, ca, cb)], [(ra, rm, ca, cb)]]
+        return [[nd]]
+
+    program = []   # ("leaves", [nodes]) or ("update", node, phase)
+
+    def walk(nodes):
+        if all(kind(nd) == "leaf" for nd in nodes):
+            program.append(("leaves", nodes))
+            return
+        ch = [children(nd) for nd in nodes]
+        for ph in range(3):
+            sub = [c for cl, nd in zip(ch, nodes) for c in (cl[ph] if ph < len(cl) else [])]
+            if sub:
+                walk(sub)
+            for cl, nd in zip(ch, nodes):
+                if ph < len(cl) - 1 and kind(nd) != "leaf":
+                    program.append(("update", nd, ph))
+
+    def build():
+        walk([(0, p.M, 0, p.N)])
+        desc_rows = []
+        launches = []
+        for op in program:
+            if op[0] == "leaves":
+                start = len(desc_rows)
+                for ra, rb, ca, cb in op[1]:
+                    desc_rows.append([ra, rb, ca, cb, R[ra] * n + C[ca], n, 0, 0])
+                nsteps = max(_steps(rb - ra, cb - ca, two) for ra, rb, ca, cb in op[1])
+                grid = sum(_diag_len(rb - ra, cb - ca, two) for ra, rb, ca, cb in op[1])
+                launches.append((start, len(op[1]), nsteps, grid))
+        return (program, launches,
+                r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1)))
+
+    program, launches, desc = _cached(_key(r, "recursive", base), build)
+
+    def update(nd, ph):
+        ra, rb, ca, cb = nd
+        k = kind(nd)
+        rm, cm = (ra + rb) // 2, (ca + cb) // 2
+        r0, r_, r1 = R[ra], R[rm], R[rb]
+        c0, c_, c1 = C[ca], C[cm], C[cb]
+        if k == "quad" and ph == 0:                       # after D
+            ED = E[r_:r1, c_:c1]
+            X = mod.empty((r1 - r_, c1 - c_), dtype=E.dtype)
+            g(X, ED, AI[c_:c1, c_:c1], beta=0.0)
+            X += ED                                       # E_D G_I[C2,C2]
+            g(F[r0:r_, c_:c1], AO[r_:r1, r0:r_], X, ta=True)   # -> B
+            Z = mod.empty((r1 - r_, c_ - c0), dtype=E.dtype)
+            g(Z, ED, AI[c_:c1, c0:c_], beta=0.0)          # E_D A_I[C2,C1]
+            FC = F[r_:r1, c0:c_]
+            FC += Z
+            g(FC, AO[r_:r1, r_:r1], Z, ta=True)            # -> C
+            r.keep[nd] = Z
+        elif k == "quad" and ph == 1:                     # after B and C
+            EB = E[r0:r_, c_:c1]
+            EC = E[r_:r1, c0:c_]
+            FA = F[r0:r_, c0:c_]
+            U = mod.empty((r_ - r0, c_ - c0), dtype=E.dtype)
+            g(U, EB, AI[c_:c1, c0:c_], beta=0.0)          # E_B A_I[C2,C1]
+            FA += U
+            g(FA, AO[r0:r_, r0:r_], U, ta=True)
+            V = r.keep.pop(nd)                            # E_D A_I[C2,C1]
+            V += EC
+            g(V, EC, AI[c0:c_, c0:c_])                    # + E_C G_I[C1,C1]
+            g(FA, AO[r_:r1, r0:r_], V, ta=True)
+        elif k == "col":
+            Er = E[r0:r1, c_:c1]
+            Z = mod.empty((r1 - r0, c_ - c0), dtype=E.dtype)
+            g(Z, Er, AI[c_:c1, c0:c_], beta=0.0)
+            FL = F[r0:r1, c0:c_]
+            FL += Z
+            if two:
+                g(FL, AO[r0:r1, r0:r1], Z, ta=True)
+        elif k == "row":
+            Eb = E[r_:r1, c0:c1]
+            X = mod.empty((r1 - r_, c1 - c0), dtype=E.dtype)
+            g(X, Eb, AI[c0:c1, c0:c1], beta=0.0)
+            X += Eb
+            g(F[r0:r_, c0:c1], AO[r_:r1, r0:r_], X, ta=True)
+
+    r.keep = {}
+    li = 0
+    for op in program:
+        if op[0] == "leaves":
+            start, k, nsteps, grid = launches[li]
+            li += 1
+            r.launch(desc, start, k, nsteps, grid, _K.HAS_F, F)
+        else:
+            update(op[1], op[2])
+
+
+def solve_block(p, ra: int, rb: int, ca: int, cb: int) -> None:
+    """Base case for the generic driver: one block, with the feedback ``p.F`` (if any)."""
+    r = _Run(p)
+    mod = r.mod
+    E = getattr(p, "_cuda_E", None)
+    if E is None:
+        E = p._cuda_E = mod.empty((p.m, p.n), dtype=p.W.dtype)
+    r.E = E
+    R0, R1, C0, C1 = p.rows[ra], p.rows[rb], p.cols[ca], p.cols[cb]
+    if p.F is not None:
+        Y = mod.ascontiguousarray(p.F[R0:R1, C0:C1]).copy()
+        flags = _K.HAS_F
+    else:
+        Y = mod.empty((R1 - R0, C1 - C0), dtype=p.W.dtype)
+        flags = 0
+    desc = _cached(_key(r, "block", (ra, rb, ca, cb)), lambda: r.device_table(
+        np.array([ra, rb, ca, cb, 0, C1 - C0, 0, 0], dtype=np.int64)))
+    two = p.two_sided
+    r.launch(desc, 0, 1, _steps(rb - ra, cb - ca, two), _diag_len(rb - ra, cb - ca, two),
+             flags, Y)
+    p.quantizer_calls += 1
+
+
+def _resolve_base(base: int) -> int:
+    from bakron.solvers.recursive import BASE_TILES
+    return DEFAULT_BASE if base == BASE_TILES else int(base)
+
+
+def solve(p, method: str, base: int, variant: str) -> bool:
+    """Run ``method`` on the GPU; ``False`` hands it back to the generic driver."""
+    if method not in METHODS:
+        return False
+    if method == "antidiagonal" and variant == "direct":
+        return False
+    r = _Run(p)
+    if method == "antidiagonal":
+        _antidiagonal(r)
+    elif method == "wavefront":
+        _wavefront(r, max(1, _resolve_base(base)))
+    else:
+        _recursive(r, max(1, _resolve_base(base)))
+    p.quantizer_calls += r.launches
+    return True
+
+
+def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:
+    """Compile the kernels (a few seconds each) so that the first solve is not slower."""
+    for dt in dtypes:
+        for tx, ty in tiles:
+            _kernels().make_kernel(dt, tx, ty, "array" if (SIM or LAUNCH == "array") else "ptr",
+                           0 if SIM else MAXREG)
