@@ -98,15 +98,15 @@ def gpu_cluster(gpus=None, *, host: str = "127.0.0.1", threads_per_worker: int =
 
         kw = dict(CUDA_VISIBLE_DEVICES=",".join(ids), threads_per_worker=threads_per_worker,
                   host=host, memory_limit=memory_limit,
-                  dashboard_address=":0" if dashboard else None, **worker_options)
+                  dashboard_address=_dash(host, dashboard), **worker_options)
         try:
             return LocalCUDACluster(resources={"GPU": 1}, **kw)
         except TypeError:  # a dask-cuda that does not forward resources
             return LocalCUDACluster(**kw)
     from distributed import Nanny, Scheduler, SpecCluster
 
-    scheduler = {"cls": Scheduler, "options": {"host": host, "dashboard": dashboard,
-                                               "dashboard_address": ":0" if dashboard else None}}
+    scheduler = {"cls": Scheduler, "options": {"host": host,
+                                               "dashboard_address": _dash(host, dashboard)}}
     workers = {}
     for gid in ids:
         opts = {"nthreads": threads_per_worker, "host": host, "memory_limit": memory_limit,
@@ -123,4 +123,11 @@ def cpu_cluster(n_workers: int = 2, *, threads_per_worker: int = 1, host: str = 
 
     return LocalCluster(n_workers=int(n_workers), threads_per_worker=threads_per_worker,
                         processes=True, host=host, memory_limit=memory_limit,
-                        dashboard_address=":0" if dashboard else None, **kwargs)
+                        dashboard_address=_dash(host, dashboard), **kwargs)
+
+
+def _dash(host: str, dashboard: bool) -> str:
+    """The scheduler's HTTP server always starts; it listens on ``host`` (loopback by default):
+    port 8787 when the dashboard is wanted, a free port otherwise (no clash between clusters)."""
+    h = "" if host in (None, "0.0.0.0") else host
+    return f"{h}:{8787 if dashboard else 0}"
