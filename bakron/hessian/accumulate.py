@@ -189,8 +189,9 @@ class FactorAccumulator:
         if self.weight <= 0:
             raise ValueError("the accumulator is empty (total weight 0): no rows were added "
                              "with positive weight")
-        S = self.sum
-        return (S + S.T) * (0.5 / (self.weight * self.divisor))
+        H = self.sum + self.sum.T
+        H *= 0.5 / (self.weight * self.divisor)
+        return H
 
     def state_dict(self) -> dict:
         """``{"sum": packed upper triangle, "n", "weight", "count", "divisor"}`` (a copy)."""

@@ -753,6 +753,7 @@ class _Run:
         rec = SweepRecord("split", a, b, c, node.schedule, node.snapshots)
         self.eng.collect = lambda i, key, x, g: None
         self.h_cache[c], self.d_cache[c] = self._sweep(rec, a, c, b)
+        self.eng.collect = None
         self.node(node.right)
         self._drop_cache(self.h_cache, c)
         self.node(node.left)
@@ -837,14 +838,17 @@ class _Run:
             self.eng.collect = collect
             rec = SweepRecord(step, a, b, None, node.schedule, node.snapshots)
             self._sweep(rec, a, a, b, on_batch)
-            for n in names:
+            for n in names:   # finalise layer by layer, dropping each accumulator at once
+                acc = accs.pop(n)
                 if step == "kfac":
-                    current[n] = (accs[n][0].value(), accs[n][1].value())
+                    current[n] = (acc[0].value(), acc[1].value())
                 elif step == "refine_out":
-                    current[n] = (current[n][0], accs[n].value())
+                    current[n] = (current[n][0], acc.value())
                 else:
-                    current[n] = (accs[n].value(), current[n][1])
+                    current[n] = (acc.value(), current[n][1])
+                del acc
             del accs
+        self.eng.collect = None   # the closure holds this leaf's factors: let them go
         for n in names:
             if self.sink is not None:
                 self.sink(n, *current[n])
