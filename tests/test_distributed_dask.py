@@ -4,6 +4,7 @@ Skipped when dask.distributed is not installed (``pip install 'bakron[dask]'``).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -22,7 +23,8 @@ distributed = pytest.importorskip("distributed", reason="dask.distributed is not
 from bakron import _safetensors  # noqa: E402
 from bakron.distributed import (LayerJob, cpu_cluster, read_journal, read_manifest,  # noqa: E402
                                 run_layers, visible_gpus)
-from bakron.distributed._synthetic import write_synthetic_layers  # noqa: E402
+from bakron.distributed._synthetic import synthetic_chain, write_synthetic_layers  # noqa: E402
+from bakron.distributed.hessian import sharded_global_factors  # noqa: E402
 
 # array_api engine: no JIT warm-up in every worker process (the machinery is under test here)
 SETTINGS = dict(bits=3, tile=8, engine="array_api")
@@ -139,6 +141,31 @@ def test_worker_killed_mid_run_loses_nothing_and_writes_nothing_twice(tmp_path):
         with threadpool_limits(1):
             run_layers(jobs, ref)
     assert_same_layers(ref, out, names)
+
+
+def test_sharded_hessians_bitwise_identical_on_the_cluster(client, tmp_path):
+    """Partials as Dask tasks (model sent once, or built on the workers by a factory), reduces
+    depending on them: the same bits as the in-process run, whatever worker ran what."""
+    widths = [12, 40, 40, 8]
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((96, 12))
+    shards = [[X[i:i + 8] for i in range(a, b, 8)] for a, b in [(0, 24), (24, 40), (40, 96)]]
+    factory = functools.partial(synthetic_chain, widths, 1)
+    ref = sharded_global_factors(factory, shards, tmp_path / "ref", seed=5, layer_ranges=2)
+    a = sharded_global_factors(factory, shards, tmp_path / "a", client, seed=5,
+                               layer_ranges=2)
+    b = sharded_global_factors(synthetic_chain(widths, 1), shards, tmp_path / "b", client,
+                               seed=5, layer_ranges=[["fc2", "fc0"], ["fc1"]])
+    for res in (ref, a, b):
+        assert res.ok, res.failed
+        assert sorted(res.factors) == ["fc0", "fc1", "fc2"]
+    workers = {p["worker"] for p in read_manifest(str(tmp_path / "a"))["partials"].values()}
+    assert all(w.startswith("tcp://127.0.0.1:") for w in workers)
+    for n in ref.factors:
+        r_in, r_out = ref.load(n)
+        for res in (a, b):
+            H_in, H_out = res.load(n)
+            assert np.array_equal(H_in, r_in) and np.array_equal(H_out, r_out)
 
 
 _GPU_CLUSTER = textwrap.dedent("""

@@ -23,7 +23,7 @@ import numpy as np
 
 from ._fs import atomic_write_json, fsync_dir, publish_once, tmp_name, is_tmp_name
 
-__all__ = ["LAYER_FORMAT", "MANIFEST_FORMAT", "layer_path", "write_layer_file",
+__all__ = ["LAYER_FORMAT", "MANIFEST_FORMAT", "layer_path", "write_layer_file", "publish_tensors",
            "verify_layer_file", "read_manifest", "write_manifest", "OutputLock", "LockHeld",
            "append_journal", "read_journal", "quarantine", "clean_tmp"]
 
@@ -64,19 +64,32 @@ def _data_digest(tensors: dict) -> str:
 
 def write_layer_file(out_dir: str, file_stem: str, tensors: dict, metadata: dict,
                      journal: dict | None = None) -> tuple[str, str, bool]:
-    """Publish a layer file write-once: temporary name, fsync, link without replace.
+    """Publish ``OUT/layers/<file_stem>.safetensors`` write-once (see :func:`publish_tensors`).
 
-    Returns ``(path, file_checksum, wrote)``. When a *valid* file with the same key already
-    exists (a twin task got there first), nothing is written and ``wrote`` is False. An
-    invalid file in the way (a corrupt leftover) is replaced.
+    Returns ``(path, file_checksum, wrote)``.
+    """
+    final = layer_path(out_dir, file_stem)
+    return publish_tensors(final, tensors, metadata, LAYER_FORMAT, out_dir=out_dir,
+                           journal=journal)
+
+
+def publish_tensors(final: str, tensors: dict, metadata: dict, fmt: str, *,
+                    out_dir: str | None = None, journal: dict | None = None
+                    ) -> tuple[str, str, bool]:
+    """Write a safetensors file write-once: temporary name, fsync, link without replace.
+
+    ``metadata`` must hold ``key``; ``format``, ``format_version`` (unless given),
+    ``data_sha256`` and ``write_id`` are added. Returns ``(path, file_checksum, wrote)``: when
+    a *valid* file with the same key already exists (a twin task got there first), nothing is
+    written and ``wrote`` is False; an invalid file in the way (a corrupt leftover) is
+    replaced. A published file is journaled in ``out_dir/.bakron/writes.log``.
     """
     from .. import _safetensors
 
-    final = layer_path(out_dir, file_stem)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     meta = dict(metadata)
-    meta.update(format=LAYER_FORMAT, format_version=FORMAT_VERSION,
-                data_sha256=_data_digest(tensors), write_id=uuid.uuid4().hex)
+    meta.setdefault("format_version", FORMAT_VERSION)
+    meta.update(format=fmt, data_sha256=_data_digest(tensors), write_id=uuid.uuid4().hex)
     tmp = tmp_name(final)
     try:
         _safetensors.save(tmp, tensors, meta)
@@ -85,33 +98,32 @@ def write_layer_file(out_dir: str, file_stem: str, tensors: dict, metadata: dict
             os.fsync(fd)
         finally:
             os.close(fd)
-        ok, _, checksum, _ = verify_layer_file(tmp, meta["key"])
+        ok, _, checksum, _ = verify_layer_file(tmp, meta["key"], fmt=fmt)
         if not ok:  # pragma: no cover - would mean the writer itself is broken
             raise OSError(f"{tmp}: the file just written does not verify")
-        wrote = publish_once(tmp, final)
-        if not wrote:
-            ok_old, why, old_sum, _ = verify_layer_file(final, meta["key"])
+        if not publish_once(tmp, final):
+            ok_old, _, old_sum, _ = verify_layer_file(final, meta["key"], fmt=fmt)
             if ok_old:
                 return final, old_sum, False
             os.replace(tmp, final)  # an invalid leftover is in the way
             fsync_dir(os.path.dirname(final))
-            wrote = True
     finally:
         try:
             os.unlink(tmp)
         except OSError:
             pass
-    if journal is not None:
+    if journal is not None and out_dir is not None:
         append_journal(out_dir, dict(journal, file=os.path.relpath(final, out_dir),
                                      checksum=checksum, write_id=meta["write_id"]))
     return final, checksum, True
 
 
-def verify_layer_file(path: str, key: str | None = None, checksum: str | None = None
-                      ) -> tuple[bool, str, str | None, dict]:
-    """Check a layer file: parses, is a bakron layer file, has ``key`` (when given), its data
-    matches the ``data_sha256`` in its header and the whole file matches ``checksum`` (when
-    given). Returns ``(ok, reason, file_checksum, metadata)`` in one pass over the file."""
+def verify_layer_file(path: str, key: str | None = None, checksum: str | None = None, *,
+                      fmt: str = LAYER_FORMAT) -> tuple[bool, str, str | None, dict]:
+    """Check a file written by :func:`publish_tensors`: it parses, has format ``fmt`` and
+    ``key`` (when given), its data matches the ``data_sha256`` in its header and the whole
+    file matches ``checksum`` (when given). Returns ``(ok, reason, file_checksum, metadata)``
+    in one pass over the file."""
     from .. import _safetensors
 
     try:
@@ -123,8 +135,8 @@ def verify_layer_file(path: str, key: str | None = None, checksum: str | None = 
     if not isinstance(header, dict):
         return False, "header is not a JSON object", None, {}
     meta = header.get("__metadata__") or {}
-    if meta.get("format") != LAYER_FORMAT:
-        return False, f"not a bakron layer file (format {meta.get('format')!r})", None, meta
+    if meta.get("format") != fmt:
+        return False, f"not a {fmt} file (format {meta.get('format')!r})", None, meta
     if key is not None and meta.get("key") != key:
         return False, "key differs (inputs, settings or version changed)", None, meta
     try:
@@ -165,24 +177,25 @@ def quarantine(out_dir: str, path: str) -> str | None:
     return dest
 
 
-def clean_tmp(out_dir: str, older_than: float) -> list[str]:
-    """Remove temporary layer files not modified for ``older_than`` seconds (leftovers of killed
-    tasks; they are never read)."""
-    d = os.path.join(out_dir, "layers")
+def clean_tmp(out_dir: str, older_than: float, sub: str = "layers") -> list[str]:
+    """Remove temporary files under ``OUT/<sub>`` not modified for ``older_than`` seconds
+    (leftovers of killed tasks; they are never read)."""
+    d = os.path.join(out_dir, sub)
     removed = []
     if not os.path.isdir(d):
         return removed
     now = time.time()
-    for f in os.listdir(d):
-        p = os.path.join(d, f)
-        if not is_tmp_name(f):
-            continue
-        try:
-            if now - os.path.getmtime(p) >= older_than:
-                os.unlink(p)
-                removed.append(p)
-        except OSError:
-            pass
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            if not is_tmp_name(f):
+                continue
+            try:
+                if now - os.path.getmtime(p) >= older_than:
+                    os.unlink(p)
+                    removed.append(p)
+            except OSError:
+                pass
     return removed
 
 

@@ -56,3 +56,21 @@ def write_synthetic_layers(folder, shapes, *, seed: int = 0, kinds=None,
                     "H_out": None if H_out is None else
                     f"{fp}::{'hout' if kind == 'dense' else 'hout_diag'}"})
     return out
+
+
+def synthetic_chain(widths, seed: int = 0, act: str = "gelu"):
+    """``(Linear → act) x k → Linear → softmax head`` built from the public
+    :mod:`bakron.hessian` stages, layers named ``fc0, fc1, ...`` (a picklable model factory
+    for sharded-Hessian tests and demos: ``functools.partial(synthetic_chain, widths, seed)``).
+    """
+    import bakron.hessian as bh
+
+    rng = np.random.default_rng(seed)
+    stages = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        stages.append(bh.Linear(rng.standard_normal((b, a)) / np.sqrt(a),
+                                0.1 * rng.standard_normal(b), name=f"fc{i}"))
+        if i < len(widths) - 2:
+            stages.append(bh.GELU() if act == "gelu" else bh.ReLU())
+    stages.append(bh.SoftmaxCrossEntropy())
+    return stages
