@@ -30,6 +30,10 @@ Usage (numpy or cupy; the digits MLP of ``bakron demo``)::
 - ``refine_iters=k`` runs k power-iteration steps towards the nearest Kronecker product of the
   Fisher (``refine="token"`` or ``"sequence"``; 2 extra passes each).
 - ``weights=`` (one array per batch, shape ``(B,)`` or ``(B, T)``) weighs samples or tokens.
+- ``sink=fn`` receives ``fn(name, H_in, H_out)`` as soon as a layer is final (write factors
+  out instead of keeping them); ``plan_global(...)`` shows the plan without running it.
+- Bad input (mismatched shapes between stages, NaN/Inf activations or gradients, a budget too
+  small for any plan) raises ``ValueError`` naming the stage, batch or sizes.
 
 Building blocks:
 
