@@ -707,3 +707,43 @@ def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:
         for tx, ty in tiles:
             _kernels().make_kernel(dt, tx, ty, "array" if (SIM or LAUNCH == "array") else "ptr",
                            0 if SIM else MAXREG)
+
+
+def auto_method(p, base: int) -> str:
+    """``method="auto"`` on the GPU, from the measurements in docs/benchmarks/h200.md."""
+    if p.M * p.N <= 4:
+        return "antidiagonal"
+    return "wavefront"
+
+
+def run(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "wavefront",
+        base: int | None = None, return_targets: bool = False):
+    """Solve with this engine and a given ``method`` (including ``"wavefront"``, which
+    :func:`bakron.solve` reaches through ``method="auto"``); returns a ``SolveResult``.
+
+    The inputs are validated as :func:`bakron.solve` does; ``seconds`` is measured the same way
+    (device synchronised before and after)."""
+    import time
+
+    from bakron import _xp
+    from bakron.solvers import SolveResult
+    from bakron.solvers._problem import Problem
+    from bakron._validate import check_tile
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    xp = _xp.namespace(W, A_out, A_in)
+    tx, ty = check_tile(tile, W.shape[0], W.shape[1])
+    p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
+    if not supports(p):
+        raise ValueError("engine 'cuda' does not support this problem (array type, dtype, "
+                         "quantizer or tile)")
+    b = DEFAULT_BASE if base is None else int(base)
+    _xp.sync(xp)
+    t0 = time.perf_counter()
+    solve(p, method, b, "accumulator")
+    _xp.sync(xp)
+    seconds = time.perf_counter() - t0
+    return SolveResult(values=p.Wq, codes=p.codes, method=method, engine="cuda",
+                       seconds=seconds, tile=(tx, ty), targets=p.T,
+                       info={"base": b, "variant": None, "quantizer_calls": p.quantizer_calls})

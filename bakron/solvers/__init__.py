@@ -77,6 +77,11 @@ def _resolve_engine(engine: str, p: Problem):
 
 def _auto_method(p: Problem, base: int) -> str:
     """The schedule for ``method='auto'`` (see docs/algorithm.md, 'Choosing a method')."""
+    if _xp.is_cupy(p.xp) and p.T is None:  # GPU: cuda engine's rules (docs/benchmarks/h200.md)
+        from .. import backends
+        mod = backends.load("cuda")
+        if mod is not None and mod.supports(p):
+            return mod.auto_method(p, base)
     return "recursive" if (p.M > base or p.N > base) else "antidiagonal"
 
 

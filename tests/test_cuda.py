@@ -1,0 +1,309 @@
+"""The cuda engine: kernels under numba-cuda's simulator (CI), and on a real GPU (``gpu``).
+
+* ``test_simulator_suite`` runs the ``test_sim_*`` tests below in a subprocess with
+  ``NUMBA_ENABLE_CUDASIM=1`` (it must be set before numba is imported), on tiny inputs.
+* ``gpu``-marked tests need a CUDA device with cupy and are skipped without one: every method
+  reproduces the reference cases exactly in float64, property tests against the CPU path.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import bakron
+from conftest import HAS_GPU, REFERENCE_CASES
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+sim_only = pytest.mark.skipif(not SIM, reason="runs in the simulator subprocess")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")]
+
+try:
+    import numba  # noqa: F401
+    import numba.cuda  # noqa: F401
+    HAS_NUMBA_CUDA = True
+except Exception:  # pragma: no cover - numba-cuda is a test dependency
+    HAS_NUMBA_CUDA = False
+
+
+def _problem(seed, m, n, tx, ty, two_sided=True, bits=2, symmetric=True, granularity="row",
+             group_size=None):
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((m, n))
+    Xi = rng.standard_normal((n, 2 * n + 4))
+    f_in = bakron.prepare_factor(Xi @ Xi.T / Xi.shape[1], ty)
+    A_out = None
+    if two_sided:
+        Xo = rng.standard_normal((m, 2 * m + 4))
+        A_out = bakron.prepare_factor(Xo @ Xo.T / Xo.shape[1], tx).A
+    if granularity == "group":
+        q = bakron.UniformQuantizer.fit(W, bits, symmetric=symmetric, granularity="group",
+                                        group_size=group_size)
+    else:
+        q = bakron.UniformQuantizer.fit(W, bits, symmetric=symmetric, granularity=granularity)
+    return W, A_out, f_in.A, q
+
+
+def _ref(W, A_out, A_in, q, tile):
+    return bakron.solve(W, A_out, A_in, q, tile=tile, method="antidiagonal",
+                        engine="array_api", return_targets=True)
+
+
+# ------------------------------------------------------------------------------------------
+# simulator (CI): the same kernels and schedules on numpy arrays
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(SIM or not HAS_NUMBA_CUDA, reason="parent of the simulator run")
+def test_simulator_suite():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONDONTWRITEBYTECODE="1")
+    here = os.path.dirname(__file__)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_sim_",
+           os.path.join(here, "test_cuda.py")]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=here)
+    tail = out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 0, tail
+    m = re.search(r"(\d+) passed", out.stdout)
+    assert m and int(m.group(1)) >= 8, tail
+    assert " failed" not in out.stdout, tail
+
+
+@sim_only
+def test_sim_engine_available_and_supports():
+    from bakron import backends
+    from bakron.solvers._problem import Problem
+    import array_api_compat.numpy as xnp
+    mod = backends.load("cuda")
+    assert mod is not None and mod.available()
+    W, AO, AI, q = _problem(0, 8, 6, 2, 2)
+    assert mod.supports(Problem(xnp, W, AO, AI, q, (2, 2)))
+    assert not mod.supports(Problem(xnp, W.astype(np.float16), AO, AI, q, (2, 2)))
+
+    class Tile:
+        def quantize(self, t):
+            return t, None
+    assert not mod.supports(Problem(xnp, W, AO, AI, Tile(), (2, 2)))
+
+
+@sim_only
+@pytest.mark.parametrize("name", ["pub_32x48_t16_b2", "pub_48x80_t16_b4"])
+@pytest.mark.parametrize("method,base", [("antidiagonal", None), ("wavefront", 1),
+                                         ("recursive", 2)])
+def test_sim_reference_cases_exact(ref_case, name, method, base):
+    from bakron.backends import numba_cuda as NC
+    path = [p for p in REFERENCE_CASES if p.endswith(name + ".npz")][0]
+    d = ref_case(path)
+    tile = tuple(int(t) for t in d["tile"])
+    q = bakron.UniformQuantizer(int(d["bits"]), float(d["scale"]))
+    r = NC.run(d["W"], d["L_out"], d["L_in"], q, tile=tile, method=method, base=base)
+    np.testing.assert_array_equal(r.values, d["hatW"])
+    np.testing.assert_array_equal(r.codes.astype(np.float64) * float(d["scale"]), d["hatW"])
+
+
+@sim_only
+def test_sim_solve_entry_point_and_targets():
+    """bakron.solve(engine='cuda') reaches the engine; targets satisfy the loss identity."""
+    W, AO, AI, q = _problem(3, 11, 13, 3, 2, granularity="group", group_size=5)
+    W0 = W.copy()
+    ref = _ref(W, AO, AI, q, (3, 2))
+    for method in ("antidiagonal", "recursive"):
+        r = bakron.solve(W, AO, AI, q, tile=(3, 2), method=method, engine="cuda", base=2,
+                         return_targets=True)
+        assert r.engine == "cuda" and r.method == method
+        np.testing.assert_array_equal(r.values, ref.values)
+        np.testing.assert_array_equal(r.codes, ref.codes)
+        np.testing.assert_allclose(r.targets, ref.targets, rtol=1e-10, atol=1e-10)
+    np.testing.assert_array_equal(W, W0)
+
+
+@sim_only
+@pytest.mark.parametrize("seed", range(4))
+def test_sim_random_methods_match_cpu(seed):
+    from bakron.backends import numba_cuda as NC
+    rng = np.random.default_rng(seed)
+    m, n = (int(v) for v in rng.integers(5, 14, 2))
+    tx, ty = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    two = seed % 2 == 0
+    gran = ["tensor", "row", "group"][seed % 3]
+    W, AO, AI, q = _problem(seed, m, n, tx, ty, two_sided=two, bits=int(rng.integers(2, 5)),
+                            symmetric=bool(seed % 3), granularity=gran, group_size=3)
+    ref = _ref(W, AO, AI, q, (tx, ty))
+    for method, base in (("antidiagonal", None), ("wavefront", 1), ("wavefront", 2),
+                         ("recursive", 1), ("recursive", 3)):
+        r = NC.run(W, AO, AI, q, tile=(tx, ty), method=method, base=base)
+        np.testing.assert_array_equal(r.values, ref.values, err_msg=f"{method}/{base}")
+        np.testing.assert_array_equal(r.codes, ref.codes, err_msg=f"{method}/{base}")
+
+
+@sim_only
+def test_sim_solve_block_in_generic_recursion():
+    """The engine's base case (the backends contract) inside the generic recursive driver."""
+    import array_api_compat.numpy as xnp
+    from bakron.backends import numba_cuda as NC
+    from bakron.solvers._problem import Problem
+    from bakron.solvers.recursive import solve_recursive
+    W, AO, AI, q = _problem(7, 10, 9, 2, 2, symmetric=False)
+    ref = _ref(W, AO, AI, q, (2, 2))
+    p = Problem(xnp, W, AO, AI, q, (2, 2))
+    solve_recursive(p, NC.solve_block, 2)
+    np.testing.assert_array_equal(p.Wq, ref.values)
+
+
+@sim_only
+def test_sim_float32_agrees_up_to_near_ties():
+    from bakron.backends import numba_cuda as NC
+    W, AO, AI, q = _problem(11, 12, 12, 3, 3)
+    W32, AO32, AI32 = (x.astype(np.float32) for x in (W, AO, AI))
+    r = NC.run(W32, AO32, AI32, q, tile=3, method="wavefront", base=2)
+    ref = bakron.solve(W32, AO32, AI32, q, tile=3, engine="array_api", method="antidiagonal")
+    assert r.values.dtype == np.float32
+    diff = np.argwhere(r.values != ref.values)
+    assert len(diff) <= W.size // 20  # a flip is rare; exactness is checked in float64
+
+
+# ------------------------------------------------------------------------------------------
+# real GPU
+# ------------------------------------------------------------------------------------------
+
+def _cp():
+    import cupy
+    return cupy
+
+
+@pytest.mark.parametrize("path", REFERENCE_CASES, ids=lambda p: p.rsplit("/", 1)[-1][:-4])
+@pytest.mark.parametrize("method,base", [("antidiagonal", None), ("wavefront", 1),
+                                         ("wavefront", 2), ("wavefront", None),
+                                         ("recursive", 1), ("recursive", 2),
+                                         ("recursive", None), ("auto", None)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+def test_gpu_reference_cases_exact(ref_case, path, method, base):
+    cp = _cp()
+    from bakron.backends import numba_cuda as NC
+    d = ref_case(path)
+    tile = tuple(int(t) for t in d["tile"])
+    q = bakron.UniformQuantizer(int(d["bits"]), float(d["scale"]))
+    W, AO, AI = (cp.asarray(d[k]) for k in ("W", "L_out", "L_in"))
+    if method == "auto":
+        r = bakron.solve(W, AO, AI, q, tile=tile)
+        assert r.engine == "cuda"
+    else:
+        r = NC.run(W, AO, AI, q, tile=tile, method=method, base=base)
+    assert isinstance(r.values, cp.ndarray) and r.values.dtype == cp.float64
+    np.testing.assert_array_equal(cp.asnumpy(r.values), d["hatW"])
+    np.testing.assert_array_equal(cp.asnumpy(r.codes).astype(np.float64) * float(d["scale"]),
+                                  d["hatW"])
+
+
+@st.composite
+def _gpu_cases(draw):
+    tx, ty = draw(st.sampled_from([(16, 16), (8, 8), (16, 8), (4, 4), (3, 5), (1, 1)]))
+    m = draw(st.integers(tx, 96))
+    n = draw(st.integers(ty, 96))
+    return dict(seed=draw(st.integers(0, 2 ** 31 - 1)), m=m, n=n, tx=tx, ty=ty,
+                two=draw(st.booleans()), bits=draw(st.integers(2, 8)),
+                sym=draw(st.booleans()), gran=draw(st.sampled_from(["tensor", "row", "group"])),
+                gs=draw(st.integers(1, n)), base=draw(st.integers(1, 4)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+@settings(max_examples=30, deadline=None)
+@given(_gpu_cases())
+def test_gpu_methods_match_cpu_float64(c):
+    cp = _cp()
+    from bakron.backends import numba_cuda as NC
+    W, AO, AI, q = _problem(c["seed"], c["m"], c["n"], c["tx"], c["ty"], two_sided=c["two"],
+                            bits=c["bits"], symmetric=c["sym"], granularity=c["gran"],
+                            group_size=c["gs"])
+    ref = _ref(W, AO, AI, q, (c["tx"], c["ty"]))
+    Wd = cp.asarray(W)
+    AOd = None if AO is None else cp.asarray(AO)
+    AId = cp.asarray(AI)
+    for method in ("antidiagonal", "wavefront", "recursive"):
+        r = NC.run(Wd, AOd, AId, q, tile=(c["tx"], c["ty"]), method=method, base=c["base"],
+                   return_targets=True)
+        np.testing.assert_array_equal(cp.asnumpy(r.values), ref.values, err_msg=method)
+        np.testing.assert_array_equal(cp.asnumpy(r.codes), ref.codes, err_msg=method)
+        np.testing.assert_allclose(cp.asnumpy(r.targets), ref.targets, rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(cp.asnumpy(Wd), W)  # input untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+def test_gpu_caller_stream_and_device():
+    """cupy in -> cupy out on the caller's device, work queued on the caller's stream."""
+    cp = _cp()
+    W, AO, AI, q = _problem(5, 200, 150, 16, 16)
+    ref = _ref(W, AO, AI, q, (16, 16))
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        Wd, AOd, AId = cp.asarray(W), cp.asarray(AO), cp.asarray(AI)
+        r = bakron.solve(Wd, AOd, AId, q, tile=16)
+        s.synchronize()
+        assert r.values.device.id == cp.cuda.Device().id
+    assert r.engine == "cuda"
+    np.testing.assert_array_equal(cp.asnumpy(r.values), ref.values)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+def test_gpu_float32_first_difference_is_a_near_tie():
+    """float32: the first difference in processing order has a target at a rounding boundary."""
+    cp = _cp()
+    from bakron.backends import numba_cuda as NC
+    W, AO, AI, q = _problem(9, 256, 256, 16, 16)
+    W32, AO32, AI32 = (x.astype(np.float32) for x in (W, AO, AI))
+    ref = bakron.solve(W32, AO32, AI32, q, tile=16, method="antidiagonal", engine="array_api",
+                       return_targets=True)
+    r = NC.run(cp.asarray(W32), cp.asarray(AO32), cp.asarray(AI32), q, tile=16,
+               method="wavefront", return_targets=True)
+    got = cp.asnumpy(r.values)
+    diff = got != ref.values
+    if not diff.any():
+        return
+    # processing order: dominance order, bottom-right first; the naive vec order (last element
+    # first) respects it, so the first difference is the largest flat index that differs
+    flat = np.flatnonzero(diff.reshape(-1))[-1]
+    i, j = divmod(int(flat), W.shape[1])
+    s = float(q.tables(np, None, np.float32)[0][i, 0])
+    t_cpu, t_gpu = float(ref.targets[i, j]), float(cp.asnumpy(r.targets)[i, j])
+    assert abs(t_cpu - t_gpu) <= 1e-4 * max(1.0, abs(t_cpu))
+    frac = t_cpu / s - np.floor(t_cpu / s)
+    assert abs(frac - 0.5) < 1e-3, (t_cpu, t_gpu, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+def test_gpu_prepare_factor_detects_cupy_nan_cholesky():
+    """cupy's Cholesky returns NaNs instead of raising: prepare_factor escalates damping."""
+    cp = _cp()
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((64, 8))
+    u = np.ones(64) / 8
+    H = X @ X.T / 8 + np.eye(64) - 3 * np.outer(u, u)   # indefinite, positive diagonal
+    with pytest.raises(bakron.NotPositiveDefiniteError):
+        bakron.prepare_factor(cp.asarray(H), 16, damp=0.0, max_tries=3)
+    f = bakron.prepare_factor(cp.asarray(X @ X.T), 16, damp=0.0, max_tries=30)  # rank 8
+    assert f.tries > 1 and isinstance(f.A, cp.ndarray)
+    assert bool(cp.all(cp.isfinite(f.A)))
+    L = cp.eye(64) + f.A
+    np.testing.assert_allclose(cp.asnumpy(L @ f.D @ L.T), cp.asnumpy(f.H), rtol=1e-8,
+                               atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+def test_gpu_array_api_engine_on_cupy():
+    cp = _cp()
+    W, AO, AI, q = _problem(2, 40, 56, 8, 8, symmetric=False, granularity="group", group_size=16)
+    ref = _ref(W, AO, AI, q, (8, 8))
+    for method in ("antidiagonal", "recursive", "naive"):
+        r = bakron.solve(cp.asarray(W), cp.asarray(AO), cp.asarray(AI), q, tile=8,
+                         method=method, engine="array_api", base=2)
+        assert isinstance(r.values, cp.ndarray)
+        np.testing.assert_array_equal(cp.asnumpy(r.values), ref.values)
