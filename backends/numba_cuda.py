@@ -233,7 +233,16 @@ class _Run:
         with cuda.gpus[self.dev]:
             if LAUNCH == "ptr":
                 kern = next(iter(self.kernel.overloads.values()))
-                kern.launch(args, (grid, 1, 1), (self.nt, 1, 1), self.nstream, 0)
+                try:
+                    kern.launch(args, (grid, 1, 1), (self.nt, 1, 1), self.nstream, 0)
+                except Exception as exc:  # pointer launch unsupported here: wrap arrays
+                    if self.launches > 1:
+                        raise
+                    _fallback_to_arrays(exc)
+                    self.kernel, self.nt = _kernels().make_kernel(
+                        self.dtname, p.tx, p.ty, "array", MAXREG)
+                    self.launches -= 1
+                    return self.launch(desc, first, nblk, nsteps, grid, flags, F, Yg)
             else:
                 self.kernel[grid, self.nt, self.nstream](*args)
 
@@ -338,6 +347,14 @@ def _strided(buf, off, shape, ld):
     flat = buf.reshape(-1)
     isz = flat.itemsize
     return np.lib.stride_tricks.as_strided(flat[off:], shape=shape, strides=(ld * isz, isz))
+
+
+def _fallback_to_arrays(exc) -> None:
+    global LAUNCH
+    import warnings
+    warnings.warn(f"bakron cuda engine: raw-pointer kernel launch failed ({exc!r}); "
+                  "falling back to wrapped arrays (slower launches)", RuntimeWarning)
+    LAUNCH = "array"
 
 
 def _numba_stream(ptr: int, dev: int):
