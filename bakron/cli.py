@@ -277,6 +277,11 @@ def _versions() -> dict:
          "platform": platform.platform()}
     for name in ("scipy", "numba", "cupy"):
         mod = sys.modules.get(name)
+        if mod is None and name == "scipy":
+            try:
+                import scipy as mod
+            except ImportError:  # pragma: no cover - scipy is a dependency
+                mod = None
         if mod is not None:
             v[name] = getattr(mod, "__version__", "?")
     return v
