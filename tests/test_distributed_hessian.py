@@ -76,6 +76,24 @@ def test_bitwise_independent_of_ranges_budget_and_task_order(batches, tmp_path):
             assert np.array_equal(H_in, base[n][0]) and np.array_equal(H_out, base[n][1])
 
 
+def test_sample_and_token_weights(batches, tmp_path):
+    rng = np.random.default_rng(9)
+    w = [rng.uniform(0, 2, b.shape[0]) for b in batches]      # one weight per sample
+    ref, _ = bh.global_factors(model(), batches, seed=4, weights=w)
+    cuts = [0, 6, 10]
+    res = sharded_global_factors(model, shards_of(batches, cuts), tmp_path / "o", seed=4,
+                                 weights=shards_of(w, cuts))
+    for n, (H_in, H_out) in factors_of(res).items():
+        np.testing.assert_allclose(H_in, ref[n][0], rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(H_out, ref[n][1], rtol=1e-12, atol=1e-14)
+    man = read_manifest(str(tmp_path / "o"))
+    total = sum(float(p["weight"]) for p in man["partials"].values())
+    assert total == pytest.approx(float(sum(x.sum() for x in w)), rel=1e-14)
+    with pytest.raises(ValueError, match="weights"):
+        sharded_global_factors(model, shards_of(batches, cuts), tmp_path / "p",
+                               weights=[None])
+
+
 def test_reduce_is_factor_accumulator_merge_in_shard_order(batches, tmp_path):
     shards = shards_of(batches, [0, 4, 7, 10])
     res = sharded_global_factors(model, shards, tmp_path / "o", seed=2)

@@ -133,6 +133,22 @@ def test_in_process_run_writes_verified_files_and_manifest(layers, tmp_path):
     assert not [f for f in os.listdir(os.path.join(out, "layers")) if ".tmp-" in f]
 
 
+@pytest.mark.parametrize("settings", [dict(symmetric=False), dict(granularity="group",
+                                                                  group_size=16)])
+def test_layer_files_dequantize_like_bakron_quantize_outputs(layers, tmp_path, settings):
+    from bakron.io import dequantize
+
+    out = str(tmp_path / "out")
+    jobs = make_jobs(layers[:3], **settings)
+    assert run_layers(jobs, out).ok
+    for j in jobs:
+        t = layer_tensors(out, j.name)
+        assert t["codes"].dtype == (np.uint8 if not settings.get("symmetric", True) else np.int8)
+        W_hat = dequantize(t["codes"], t["scale"], t.get("zero_point"),
+                           settings.get("group_size"), dtype=t["W_hat"].dtype)
+        assert np.array_equal(W_hat, t["W_hat"])
+
+
 def test_rerun_solves_nothing(layers, tmp_path):
     out = str(tmp_path / "out")
     jobs = make_jobs(layers)

@@ -20,7 +20,8 @@ def _spd(rng, n: int, rank: int | None = None) -> np.ndarray:
 
 
 def write_synthetic_layers(folder, shapes, *, seed: int = 0, kinds=None,
-                           w_dtype=np.float32, prefix: str = "layer") -> list[dict]:
+                           w_dtype=np.float32, prefix: str = "layer",
+                           rank: int | None = None) -> list[dict]:
     """Write one weight file and one factor file per layer into ``folder``.
 
     ``shapes`` is a list of ``(m, n)``; ``kinds`` (same length, default all ``"dense"``) picks
@@ -28,7 +29,8 @@ def write_synthetic_layers(folder, shapes, *, seed: int = 0, kinds=None,
     ``"none"`` (one-sided). Weights go to ``<prefix>NN.w.safetensors`` (tensor ``weight``),
     factors to ``<prefix>NN.f.safetensors`` (:mod:`bakron.factor_files` layout, float64).
     Returns one dict per layer: ``name``, ``W``, ``H_in``, ``H_out`` as ``path::tensor``
-    references (``H_out`` None for one-sided), for :meth:`LayerJob.make`.
+    references (``H_out`` None for one-sided), for :meth:`LayerJob.make`. ``rank`` caps the
+    rank of the low-rank part of the factors (default n/2; smaller is faster to make).
     """
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -39,9 +41,9 @@ def write_synthetic_layers(folder, shapes, *, seed: int = 0, kinds=None,
     for i, ((m, n), kind) in enumerate(zip(shapes, kinds)):
         name = f"{prefix}{i:02d}"
         W = (rng.standard_normal((m, n)) / np.sqrt(n)).astype(w_dtype)
-        H_in = _spd(rng, n)
+        H_in = _spd(rng, n, rank)
         if kind == "dense":
-            H_out = _spd(rng, m)
+            H_out = _spd(rng, m, rank)
         elif kind == "diag":
             H_out = rng.uniform(0.1, 2.0, m)
         elif kind == "none":

@@ -89,8 +89,9 @@ def _as_sym(a: np.ndarray, n: int, what: str, allow_diag: bool):
 
 
 def _codes_dtype(q):
+    """int8 for symmetric codes, uint8 for asymmetric ones (as ``bakron quantize``)."""
     lo, hi = q.code_range
-    for dt in (np.int8, np.uint8, np.int16):
+    for dt in ((np.uint8, np.uint16) if lo >= 0 else (np.int8, np.int16)):
         if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
             return dt
     return np.int32
