@@ -1,0 +1,426 @@
+"""Compiled kernels of the numba CPU engine (imported only by ``backends/numba_cpu.py``).
+
+Conventions
+-----------
+* Matrices are C-contiguous 2-D arrays; sub-blocks are addressed by element ranges.
+* Rounding is the scalar grid of ``bakron.UniformQuantizer``, fused into the kernels and
+  written with the same floating-point operations as its array-API code (``t / s``, round
+  half to even, clip, ``s * c`` or ``s * (c - z)``) in the arrays' own dtype, so that a
+  given target rounds bit-identically. No fastmath anywhere.
+* BLAS: the feedback products call the ``?gemm`` that numba itself binds to SciPy's
+  ``cython_blas`` (``numba_xxgemm`` of numba's helper library), with leading dimensions, so
+  that products accumulate in place into sub-blocks (``beta = 1``) without temporaries.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# int numba_xxgemm(kind, transa, transb, m, n, k, *alpha, *a, lda, *b, ldb, *beta, *c, ldc)
+# (column-major, like BLAS); resolved by name in numba's helper library, so caching is safe.
+_xxgemm = types.ExternalFunction("numba_xxgemm", types.intc(
+    types.char, types.char, types.char, types.intp, types.intp, types.intp,
+    types.voidptr, types.voidptr, types.intp, types.voidptr, types.intp,
+    types.voidptr, types.voidptr, types.intp))
+
+
+@intrinsic
+def _vptr(typingctx, arr, offset):
+    """``void*`` to element ``offset`` (in elements, from the array's first element)."""
+    sig = types.voidptr(arr, offset)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.bitcast(builder.gep(ary.data, [args[1]]), cgutils.voidptr_t)
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
+    """Row-major ``C[m x n] = beta * C + op(A) @ op(B)`` on flat offsets/leading dimensions.
+
+    ``op(A)`` is ``m x k`` (``A`` stored ``k x m`` when ``ta``), ``op(B)`` is ``k x n``.
+    """
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        if beta == 0.0:
+            Cf = C.reshape(C.size)
+            for i in range(m):
+                for j in range(n):
+                    Cf[oc + i * ldc + j] = 0.0
+        return
+    ab = np.empty(2, C.dtype)
+    ab[0] = 1.0
+    ab[1] = beta
+    kind = np.int8(115) if C.itemsize == 4 else np.int8(100)          # 's' / 'd'
+    tA = np.int8(116) if ta else np.int8(110)                          # 't' / 'n'
+    tB = np.int8(116) if tb else np.int8(110)
+    # row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T
+    r = _xxgemm(kind, tB, tA, n, m, k, _vptr(ab, 0), _vptr(B, ob), ldb, _vptr(A, oa), lda,
+                _vptr(ab, 1), _vptr(C, oc), ldc)
+    if r != 0:
+        raise RuntimeError("BLAS gemm is not available (scipy.linalg.cython_blas)")
+
+
+@njit(cache=True)
+def tri_right_acc(C, oc, ldc, X, ox, ldx, L, ol, ldl, p, h, panel):
+    """``C[p x h] += X[p x h] @ tril(L[h x h])`` (L's strict upper part is zero), by column
+    panels so that the zero upper triangle is mostly skipped."""
+    j0 = 0
+    while j0 < h:
+        j1 = min(j0 + panel, h)
+        gemm(C, oc + j0, ldc, X, ox + j0, ldx, False, L, ol + j0 * ldl + j0, ldl, False,
+             p, j1 - j0, h - j0, 1.0)
+        j0 = j1
+
+
+@njit(cache=True)
+def tri_left_t_acc(C, oc, ldc, L, ol, ldl, X, ox, ldx, h, q, panel):
+    """``C[h x q] += tril(L[h x h])^T @ X[h x q]``, by row panels."""
+    i0 = 0
+    while i0 < h:
+        i1 = min(i0 + panel, h)
+        gemm(C, oc + i0 * ldc, ldc, L, ol + i0 * ldl + i0, ldl, True, X, ox + i0 * ldx, ldx,
+             False, i1 - i0, q, h - i0, 1.0)
+        i0 = i1
+
+
+@njit(cache=True)
+def add_into(C, oc, ldc, X, ox, ldx, p, q):
+    """``C[p x q] += X[p x q]``."""
+    Cf = C.reshape(C.size)
+    Xf = X.reshape(X.size)
+    for i in range(p):
+        for j in range(q):
+            Cf[oc + i * ldc + j] += Xf[ox + i * ldx + j]
+
+
+@njit(cache=True)
+def copy_into(C, oc, ldc, X, ox, ldx, p, q):
+    """``C[p x q] = X[p x q]``."""
+    Cf = C.reshape(C.size)
+    Xf = X.reshape(X.size)
+    for i in range(p):
+        for j in range(q):
+            Cf[oc + i * ldc + j] = Xf[ox + i * ldx + j]
+
+
+# ---------------------------------------------------------------------------------------
+# the scalar grid
+# ---------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _quant(t, i, j, s_tab, z_tab, gs, lo, hi, sym):
+    """(value, code) of target ``t`` at element (i, j): UniformQuantizer.quantize's rule."""
+    ri = i if s_tab.shape[0] > 1 else 0
+    gi = j // gs if s_tab.shape[1] > 1 else 0
+    s = s_tab[ri, gi]
+    q = np.rint(t / s)
+    if sym:
+        c = min(max(q, lo), hi)
+        return s * c, c
+    zi = i if z_tab.shape[0] > 1 else 0
+    zg = j // gs if z_tab.shape[1] > 1 else 0
+    z = z_tab[zi, zg]
+    c = min(max(q + z, lo), hi)
+    return s * (c - z), c
+
+
+@njit(cache=True)
+def rtn(W, Wq, codes, s_tab, z_tab, gs, lo, hi, sym):
+    """Round-to-nearest of all of ``W`` (reference for the tests)."""
+    m, n = W.shape
+    for i in range(m):
+        for j in range(n):
+            v, c = _quant(W[i, j], i, j, s_tab, z_tab, gs, lo, hi, sym)
+            Wq[i, j] = v
+            codes[i, j] = np.int16(c)
+
+
+# ---------------------------------------------------------------------------------------
+# base blocks
+# ---------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _row_tile(W, F, useF, P, usep, AI, Wq, codes, T, useT, E, er0, gr0, h, C0, Sc, ty,
+              s_tab, z_tab, gs, lo, hi, sym):
+    """Round rows ``gr0 .. gr0+h`` of W over columns ``[C0, C0+Sc)`` (one row tile of a
+    block): column tiles right to left, targets ``W + F + P + (P + E) A_I`` where ``P[:h]``
+    (when ``usep``) is the feedback from the rows below before ``G_I``, and ``E`` the row
+    tile's own errors (written to ``E[er0 + i, :]``). Loops are ordered so that the inner
+    ones are unit-stride updates that vectorise without reassociation."""
+    Z = np.empty((h, Sc), W.dtype)
+    for i in range(h):
+        wr = W[gr0 + i, C0:C0 + Sc]
+        zr = Z[i]
+        if useF:
+            fr = F[gr0 + i, C0:C0 + Sc]
+            for j in range(Sc):
+                zr[j] = wr[j] + fr[j]
+        else:
+            for j in range(Sc):
+                zr[j] = wr[j]
+        if usep:
+            pr = P[i]
+            for j in range(Sc):
+                zr[j] += pr[j]
+    nct = (Sc + ty - 1) // ty
+    for b in range(nct - 1, -1, -1):
+        c0 = b * ty
+        c1 = min(c0 + ty, Sc)
+        for i in range(h):
+            gr = gr0 + i
+            er = E[er0 + i]
+            zr = Z[i]
+            for j in range(c0, c1):
+                t = zr[j]
+                v, c = _quant(t, gr, C0 + j, s_tab, z_tab, gs, lo, hi, sym)
+                Wq[gr, C0 + j] = v
+                codes[gr, C0 + j] = np.int16(c)
+                if useT:
+                    T[gr, C0 + j] = t
+                er[j] = W[gr, C0 + j] - v
+        if b > 0:
+            for l in range(c0, c1):
+                arow = AI[C0 + l, C0:C0 + c0]
+                for i in range(h):
+                    coef = E[er0 + i, l] + P[i, l] if usep else E[er0 + i, l]
+                    zr = Z[i]
+                    for j in range(c0):
+                        zr[j] += coef * arow[j]
+
+
+@njit(cache=True, parallel=True)
+def base_one_sided(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
+                   s_tab, z_tab, gs, lo, hi, sym):
+    """One-sided block ``[R0, R1) x [C0, C1)``: every row is independent (prange over row
+    tiles); targets ``W + F + E A_I`` inside the block. With ``writeE`` the block's errors
+    are written to ``FE`` (which may be ``F`` itself: each row reads its F before)."""
+    Sc = C1 - C0
+    nrt = (R1 - R0 + tx - 1) // tx
+    for a in prange(nrt):
+        r0 = R0 + a * tx
+        h = min(r0 + tx, R1) - r0
+        E = np.empty((h, Sc), W.dtype)
+        _row_tile(W, F, useF, E, False, AI, Wq, codes, T, useT, E, 0, r0, h, C0, Sc, ty,
+                  s_tab, z_tab, gs, lo, hi, sym)
+        if writeE:
+            for i in range(h):
+                FE[r0 + i, C0:C1] = E[i]
+
+
+@njit(cache=True)
+def base_two_sided(W, F, useF, AO, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
+                   s_tab, z_tab, gs, lo, hi, sym):
+    """Two-sided block ``[R0, R1) x [C0, C1)`` with targets ``W + F + (feedback inside)``.
+
+    Row tiles bottom-up (a dominance-respecting order): the errors of the rows below reach
+    row tile ``a`` as ``P = A_O[below, a]^T E_below`` (one small GEMM), then through
+    ``G_I``; inside the row tile ``G_O``'s diagonal block is the identity, so the tile row is
+    a one-sided sweep right to left with in-row feedback ``(P + E_a) A_I``. Serial: it runs
+    between multi-threaded BLAS calls, and tiny parallel regions cost more than they save.
+    """
+    Sr = R1 - R0
+    Sc = C1 - C0
+    m = W.shape[0]
+    E = np.empty((Sr, Sc), W.dtype)          # block-local errors, rows below the current tile
+    P = np.empty((tx, Sc), W.dtype)
+    nrt = (Sr + tx - 1) // tx
+    for a in range(nrt - 1, -1, -1):
+        r0 = a * tx
+        r1 = min(r0 + tx, Sr)
+        h = r1 - r0
+        # P[h x Sc] = A_O[R0+r1:R1, R0+r0:R0+r1]^T @ E[r1:Sr, :]
+        gemm(P, 0, Sc, AO, (R0 + r1) * m + R0 + r0, m, True, E, r1 * Sc, Sc, False,
+             h, Sc, Sr - r1, 0.0)
+        _row_tile(W, F, useF, P, True, AI, Wq, codes, T, useT, E, r0, R0 + r0, h, C0, Sc, ty,
+                  s_tab, z_tab, gs, lo, hi, sym)
+        if writeE:
+            for i in range(h):
+                FE[R0 + r0 + i, C0:C1] = E[r0 + i]
+
+
+# ---------------------------------------------------------------------------------------
+# the recursive solver: a plan of base blocks and feedback updates, executed here
+# ---------------------------------------------------------------------------------------
+OP_BASE, OP_QUAD_D, OP_QUAD_BC, OP_COL, OP_ROW = 0, 1, 2, 3, 4
+
+
+@njit(cache=True)
+def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, panel,
+             s_tab, z_tab, gs, lo, hi, sym):
+    """Execute the recursion's plan (see ``numba_cpu._plan``). ``FE`` holds the offsets F of
+    unsolved blocks and the errors E = W - Wq of solved ones; ``buf`` is the scratch space
+    (per-level offsets in the plan)."""
+    m, n = W.shape
+    for q in range(plan.shape[0]):
+        op = plan[q, 0]
+        r0, r_, r1 = plan[q, 1], plan[q, 2], plan[q, 3]
+        c0, c_, c1 = plan[q, 4], plan[q, 5], plan[q, 6]
+        o = plan[q, 7]
+        if op == OP_BASE:
+            if two_sided:
+                base_two_sided(W, FE, True, AO, AI, Wq, codes, T, useT, FE, True,
+                               r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+            else:
+                base_one_sided(W, FE, True, AI, Wq, codes, T, useT, FE, True,
+                               r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+        elif op == OP_QUAD_D:
+            hB, hD, wA, wB = r_ - r0, r1 - r_, c_ - c0, c1 - c_
+            # F_B += A_O[R2,R1]^T (E_D G_I[C2,C2])
+            copy_into(buf, o, wB, FE, r_ * n + c_, n, hD, wB)
+            tri_right_acc(buf, o, wB, FE, r_ * n + c_, n, AI, c_ * n + c_, n, hD, wB, panel)
+            gemm(FE, r0 * n + c_, n, AO, r_ * m + r0, m, True, buf, o, wB, False,
+                 hB, wB, hD, 1.0)
+            # X = E_D A_I[C2,C1], kept in buf until A;  F_C += G_O[R2,R2]^T X
+            gemm(buf, o, wA, FE, r_ * n + c_, n, False, AI, c_ * n + c0, n, False,
+                 hD, wA, wB, 0.0)
+            add_into(FE, r_ * n + c0, n, buf, o, wA, hD, wA)
+            tri_left_t_acc(FE, r_ * n + c0, n, AO, r_ * m + r_, m, buf, o, wA, hD, wA, panel)
+        elif op == OP_QUAD_BC:
+            hB, hD, wA, wB = r_ - r0, r1 - r_, c_ - c0, c1 - c_
+            # F_A += A_O[R2,R1]^T (E_C G_I[C1,C1] + X)
+            add_into(buf, o, wA, FE, r_ * n + c0, n, hD, wA)
+            tri_right_acc(buf, o, wA, FE, r_ * n + c0, n, AI, c0 * n + c0, n, hD, wA, panel)
+            gemm(FE, r0 * n + c0, n, AO, r_ * m + r0, m, True, buf, o, wA, False,
+                 hB, wA, hD, 1.0)
+            # F_A += G_O[R1,R1]^T (E_B A_I[C2,C1])
+            gemm(buf, o, wA, FE, r0 * n + c_, n, False, AI, c_ * n + c0, n, False,
+                 hB, wA, wB, 0.0)
+            add_into(FE, r0 * n + c0, n, buf, o, wA, hB, wA)
+            tri_left_t_acc(FE, r0 * n + c0, n, AO, r0 * m + r0, m, buf, o, wA, hB, wA, panel)
+        elif op == OP_COL:
+            h, wA, wB = r1 - r0, c_ - c0, c1 - c_
+            if two_sided:
+                # F_left += G_O[R,R]^T (E_right A_I[C2,C1])
+                gemm(buf, o, wA, FE, r0 * n + c_, n, False, AI, c_ * n + c0, n, False,
+                     h, wA, wB, 0.0)
+                add_into(FE, r0 * n + c0, n, buf, o, wA, h, wA)
+                tri_left_t_acc(FE, r0 * n + c0, n, AO, r0 * m + r0, m, buf, o, wA, h, wA,
+                               panel)
+            else:
+                gemm(FE, r0 * n + c0, n, FE, r0 * n + c_, n, False, AI, c_ * n + c0, n,
+                     False, h, wA, wB, 1.0)
+        else:  # OP_ROW
+            hT, hD, w = r_ - r0, r1 - r_, c1 - c0
+            # F_top += A_O[R2,R1]^T (E_bottom G_I[C,C])
+            copy_into(buf, o, w, FE, r_ * n + c0, n, hD, w)
+            tri_right_acc(buf, o, w, FE, r_ * n + c0, n, AI, c0 * n + c0, n, hD, w, panel)
+            gemm(FE, r0 * n + c0, n, AO, r_ * m + r0, m, True, buf, o, w, False,
+                 hT, w, hD, 1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# anti-diagonal solvers (the baselines), whole matrix
+# ---------------------------------------------------------------------------------------
+@njit(cache=True, parallel=True)
+def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, tx, ty,
+                             s_tab, z_tab, gs, lo, hi, sym):
+    """Two-sided anti-diagonal wavefront with the accumulator ``Y = G_O^T Ẽ`` (SPEC §4):
+    one parallel step per anti-diagonal, the tiles of a diagonal in parallel, each fusing
+    its target ``W + F + Y[a, >=b] G_I[>=b, b]``, its rounding and its ``Y`` update."""
+    m, n = W.shape
+    M = (m + tx - 1) // tx
+    N = (n + ty - 1) // ty
+    Y = np.zeros((m, n), W.dtype)
+    for s in range(M + N - 2, -1, -1):
+        alo = max(0, s - N + 1)
+        ahi = min(M - 1, s)
+        for a in prange(alo, ahi + 1):
+            b = s - a
+            r0 = a * tx
+            r1 = min(r0 + tx, m)
+            c0 = b * ty
+            c1 = min(c0 + ty, n)
+            h = r1 - r0
+            w = c1 - c0
+            Tt = np.empty((h, w), W.dtype)
+            Et = np.empty((h, w), W.dtype)
+            for i in range(h):
+                for j in range(w):
+                    base = W[r0 + i, c0 + j] + F[r0 + i, c0 + j] if useF else W[r0 + i, c0 + j]
+                    Tt[i, j] = base + Y[r0 + i, c0 + j]
+                for l in range(c1, n):
+                    coef = Y[r0 + i, l]
+                    for j in range(w):
+                        Tt[i, j] += coef * AI[l, c0 + j]
+                for j in range(w):
+                    t = Tt[i, j]
+                    v, c = _quant(t, r0 + i, c0 + j, s_tab, z_tab, gs, lo, hi, sym)
+                    Wq[r0 + i, c0 + j] = v
+                    codes[r0 + i, c0 + j] = np.int16(c)
+                    if useT:
+                        T[r0 + i, c0 + j] = t
+                    Et[i, j] = W[r0 + i, c0 + j] - v
+            # Y[:r1, cols b] += G_O[rows a, :r1]^T E_ab  (G_O's diagonal block is I)
+            for i in range(h):
+                for j in range(w):
+                    Y[r0 + i, c0 + j] += Et[i, j]
+            for i in range(h):
+                for k in range(r0):
+                    g = AO[r0 + i, k]
+                    for j in range(w):
+                        Y[k, c0 + j] += g * Et[i, j]
+
+
+@njit(cache=True)
+def antidiagonal_direct(W, F, useF, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
+                        s_tab, z_tab, gs, lo, hi, sym):
+    """Anti-diagonal wavefront with every target from (1) over its dominating region:
+    ``T_ab = W_ab + G_O[>=a, a]^T (E[>=a, >=b] G_I[>=b, b])`` by two BLAS products per tile
+    (``O(m^2 n^2 / t)`` work: the baseline published speed-ups are quoted against).
+    One-sided: one product per column of tiles."""
+    m, n = W.shape
+    M = (m + tx - 1) // tx
+    N = (n + ty - 1) // ty
+    E = np.zeros((m, n), W.dtype)
+    V = np.empty(m * ty, W.dtype)            # flat buffers, leading dimension = tile width
+    Tt = np.empty(tx * ty, W.dtype)
+    if not two_sided:
+        for b in range(N - 1, -1, -1):
+            c0 = b * ty
+            c1 = min(c0 + ty, n)
+            w = c1 - c0
+            # V = E[:, c1:] @ A_I[c1:, c0:c1]
+            gemm(V, 0, w, E, c1, n, False, AI, c1 * n + c0, n, False, m, w, n - c1, 0.0)
+            for i in range(m):
+                for j in range(w):
+                    base = W[i, c0 + j] + F[i, c0 + j] if useF else W[i, c0 + j]
+                    t = base + V[i * w + j]
+                    v, c = _quant(t, i, c0 + j, s_tab, z_tab, gs, lo, hi, sym)
+                    Wq[i, c0 + j] = v
+                    codes[i, c0 + j] = np.int16(c)
+                    if useT:
+                        T[i, c0 + j] = t
+                    E[i, c0 + j] = W[i, c0 + j] - v
+        return
+    for s in range(M + N - 2, -1, -1):
+        for a in range(max(0, s - N + 1), min(M - 1, s) + 1):
+            b = s - a
+            r0 = a * tx
+            r1 = min(r0 + tx, m)
+            c0 = b * ty
+            c1 = min(c0 + ty, n)
+            h = r1 - r0
+            w = c1 - c0
+            hr = m - r0
+            # V[hr x w] = E[r0:, c0:c1] + E[r0:, c1:] @ A_I[c1:, c0:c1]
+            copy_into(V, 0, w, E, r0 * n + c0, n, hr, w)
+            gemm(V, 0, w, E, r0 * n + c1, n, False, AI, c1 * n + c0, n, False,
+                 hr, w, n - c1, 1.0)
+            # T = W + F + V[:h] + A_O[r1:, r0:r1]^T V[h:]
+            for i in range(h * w):
+                Tt[i] = V[i]
+            gemm(Tt, 0, w, AO, r1 * m + r0, m, True, V, h * w, w, False, h, w, m - r1, 1.0)
+            for i in range(h):
+                for j in range(w):
+                    base = W[r0 + i, c0 + j] + F[r0 + i, c0 + j] if useF else W[r0 + i, c0 + j]
+                    t = base + Tt[i * w + j]
+                    v, c = _quant(t, r0 + i, c0 + j, s_tab, z_tab, gs, lo, hi, sym)
+                    Wq[r0 + i, c0 + j] = v
+                    codes[r0 + i, c0 + j] = np.int16(c)
+                    if useT:
+                        T[r0 + i, c0 + j] = t
+                    E[r0 + i, c0 + j] = W[r0 + i, c0 + j] - v

@@ -1,0 +1,227 @@
+"""The numba CPU engine: identical to the array-API path, exact on the reference cases."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import bakron
+from _problems import make_quantizer, problem
+from bakron.solvers._problem import Problem
+from bakron.solvers.recursive import solve_recursive
+from conftest import REFERENCE_CASES
+
+nc = pytest.importorskip("bakron.backends.numba_cpu")
+if not nc.available():  # pragma: no cover - numba is a test dependency
+    pytest.skip("numba is not available", allow_module_level=True)
+
+import array_api_compat.numpy as xnp  # noqa: E402
+
+# (method, variant, base): every compiled path of the engine
+PATHS = [("recursive", "accumulator", 1), ("recursive", "accumulator", 2),
+         ("recursive", "accumulator", 3), ("antidiagonal", "accumulator", 8),
+         ("antidiagonal", "direct", 8)]
+
+
+@st.composite
+def cases(draw, max_side=24):
+    m = draw(st.integers(1, max_side))
+    n = draw(st.integers(1, max_side))
+    return dict(
+        seed=draw(st.integers(0, 2**31 - 1)), m=m, n=n,
+        tx=draw(st.integers(1, min(m, 6))), ty=draw(st.integers(1, min(n, 6))),
+        kind=draw(st.sampled_from(["well", "ill", "rank"])), two_sided=draw(st.booleans()),
+        bits=draw(st.integers(2, 8)), symmetric=draw(st.booleans()),
+        granularity=draw(st.sampled_from(["tensor", "row", "group"])),
+        group_size=draw(st.integers(1, n)),
+    )
+
+
+def _setup(c, dtype=np.float64):
+    W, f_in, f_out = problem(c["seed"], c["m"], c["n"], c["tx"], c["ty"], kind=c["kind"],
+                             two_sided=c["two_sided"])
+    q = make_quantizer(None, W, c["bits"], c["symmetric"], c["granularity"], c["group_size"])
+    A_out = None if f_out is None else f_out.A.astype(dtype)
+    return W.astype(dtype), A_out, f_in.A.astype(dtype), q
+
+
+def _reference(W, A_out, A_in, q, tile, **kw):
+    return bakron.solve(W, A_out, A_in, q, tile=tile, method="antidiagonal",
+                        engine="array_api", **kw)
+
+
+@given(cases())
+def test_numba_equals_array_api_float64(c):
+    """Every compiled path (and the compiled base block under the generic recursion) gives
+    the array-API engine's Ŵ and codes exactly, and leaves the inputs untouched."""
+    W, A_out, A_in, q = _setup(c)
+    tile = (c["tx"], c["ty"])
+    copies = [x.copy() for x in (W, A_in) + (() if A_out is None else (A_out,))]
+    ref = _reference(W, A_out, A_in, q, tile)
+    for method, variant, base in PATHS:
+        r = bakron.solve(W, A_out, A_in, q, tile=tile, method=method, variant=variant,
+                         base=base, engine="numba")
+        assert r.engine == "numba" and r.values.dtype == np.float64
+        np.testing.assert_array_equal(r.values, ref.values, err_msg=f"{method} {variant} {base}")
+        np.testing.assert_array_equal(r.codes, ref.codes, err_msg=f"{method} {variant} {base}")
+    # the engine's solve_block driven by the array-API recursion (offsets in p.F)
+    p = Problem(xnp, W, A_out, A_in, q, tile)
+    solve_recursive(p, nc.solve_block, 2)
+    np.testing.assert_array_equal(p.Wq, ref.values)
+    np.testing.assert_array_equal(p.codes, ref.codes)
+    for x, x0 in zip((W, A_in) + (() if A_out is None else (A_out,)), copies):
+        np.testing.assert_array_equal(x, x0)
+
+
+@given(cases(max_side=16))
+def test_numba_records_the_targets(c):
+    """With return_targets the engine records every tile's target (float64: equal to the
+    array-API targets up to summation order)."""
+    W, A_out, A_in, q = _setup(c)
+    tile = (c["tx"], c["ty"])
+    ref = _reference(W, A_out, A_in, q, tile, return_targets=True)
+    for method, variant, base in PATHS[1:]:
+        r = bakron.solve(W, A_out, A_in, q, tile=tile, method=method, variant=variant,
+                         base=base, engine="numba", return_targets=True)
+        np.testing.assert_array_equal(r.values, ref.values)
+        np.testing.assert_allclose(r.targets, ref.targets, rtol=1e-10, atol=1e-10)
+
+
+def _first_difference(m, n, tx, ty, a, b):
+    """A differing element whose dominating tiles agree (first in a dominance order)."""
+    for r0 in reversed(range(0, m, tx)):
+        for c0 in reversed(range(0, n, ty)):
+            blk = (slice(r0, r0 + tx), slice(c0, c0 + ty))
+            d = np.argwhere(a[blk] != b[blk])
+            if len(d):
+                return r0 + d[0][0], c0 + d[0][1]
+    return None
+
+
+def _assert_near_tie(q, i, j, t1, t2):
+    s_tab, z_tab = q.tables(np, "cpu", np.float64)
+    g = j // q.group_size if s_tab.shape[1] > 1 else 0
+    s = float(s_tab[i if s_tab.shape[0] > 1 else 0, g])
+    z = 0.0
+    if z_tab is not None:
+        z = float(z_tab[i if z_tab.shape[0] > 1 else 0, g if z_tab.shape[1] > 1 else 0])
+    u1, u2 = t1 / s + z, t2 / s + z
+    boundary = np.floor((u1 + u2) / 2) + 0.5
+    assert abs(u1 - boundary) < 1e-3 and abs(u2 - boundary) < 1e-3, (u1, u2, boundary)
+
+
+@given(cases(max_side=32))
+def test_numba_float32_agrees_modulo_near_ties(c):
+    """float32: results are in float32 and equal to the array-API ones, except that the first
+    difference in processing order (if any) is a target next to a rounding boundary."""
+    W, A_out, A_in, q = _setup(c, np.float32)
+    tile = (c["tx"], c["ty"])
+    ref = _reference(W, A_out, A_in, q, tile, return_targets=True)
+    for method, variant, base in (PATHS[1], PATHS[3], PATHS[4]):
+        r = bakron.solve(W, A_out, A_in, q, tile=tile, method=method, variant=variant,
+                         base=base, engine="numba", return_targets=True)
+        assert r.values.dtype == np.float32 and r.targets.dtype == np.float32
+        first = _first_difference(c["m"], c["n"], *tile, ref.values, r.values)
+        if first is not None:
+            _assert_near_tie(q, *first, float(ref.targets[first]), float(r.targets[first]))
+
+
+def test_float32_larger_problem_near_tie_or_equal():
+    """A 256 x 192 float32 problem: agreement or a near-tie first difference; float64 exact."""
+    W64, f_in, f_out = problem(3, 256, 192, 16, 16)
+    q = bakron.UniformQuantizer.fit(W64, 2)
+    for dtype in (np.float32, np.float64):
+        W, AO, AI = W64.astype(dtype), f_out.A.astype(dtype), f_in.A.astype(dtype)
+        ref = _reference(W, AO, AI, q, 16, return_targets=True)
+        r = bakron.solve(W, AO, AI, q, tile=16, method="recursive", base=4, engine="numba",
+                         return_targets=True)
+        if dtype == np.float64:
+            np.testing.assert_array_equal(r.values, ref.values)
+        else:
+            first = _first_difference(256, 192, 16, 16, ref.values, r.values)
+            if first is not None:
+                _assert_near_tie(q, *first, float(ref.targets[first]), float(r.targets[first]))
+            assert np.mean(r.values != ref.values) < 0.05
+
+
+@pytest.mark.parametrize("path", REFERENCE_CASES, ids=lambda p: p.rsplit("/", 1)[-1][:-4])
+def test_reference_cases_numba(ref_case, path):
+    d = ref_case(path)
+    tile = tuple(int(t) for t in d["tile"])
+    q = bakron.UniformQuantizer(int(d["bits"]), float(d["scale"]))
+    for method, variant, base in PATHS + [("auto", "accumulator", None)]:
+        r = bakron.solve(d["W"], d["L_out"], d["L_in"], q, tile=tile, method=method,
+                         variant=variant, base=base, engine="numba")
+        np.testing.assert_array_equal(r.values, d["hatW"], err_msg=f"{method} {variant} {base}")
+        np.testing.assert_array_equal(float(d["scale"]) * r.codes.astype(np.float64), d["hatW"])
+
+
+def test_auto_engine_and_method():
+    W, f_in, f_out = problem(0, 64, 48, 8, 8)
+    q = bakron.UniformQuantizer.fit(W, 3)
+    r = bakron.solve(W, f_out.A, f_in.A, q, tile=8)
+    assert r.engine == "numba" and r.method in ("recursive", "antidiagonal")
+    # a quantizer the engine cannot fuse: auto falls back, an explicit request is refused
+    class Shifted(bakron.UniformQuantizer):
+        def quantize(self, targets, rows=None, cols=None):
+            return super().quantize(targets, rows=rows, cols=cols)
+    sq = Shifted(3, 0.5)
+    assert bakron.solve(W, f_out.A, f_in.A, sq, tile=8).engine == "array_api"
+    with pytest.raises(ValueError, match="engine='numba' does not support"):
+        bakron.solve(W, f_out.A, f_in.A, sq, tile=8, engine="numba")
+
+
+def test_non_contiguous_inputs():
+    W, f_in, f_out = problem(1, 40, 36, 4, 4)
+    q = bakron.UniformQuantizer.fit(W, 3)
+    ref = _reference(W, f_out.A, f_in.A, q, 4)
+    Wf = np.asfortranarray(W)
+    AOf = np.asfortranarray(f_out.A)
+    big = np.zeros((72, 72))
+    big[::2, ::2] = f_in.A
+    AIv = big[::2, ::2]
+    for method in ("recursive", "antidiagonal"):
+        r = bakron.solve(Wf, AOf, AIv, q, tile=4, method=method, base=2, engine="numba")
+        np.testing.assert_array_equal(r.values, ref.values)
+
+
+def test_plan_scratch_memory_bound():
+    """The recursion's extra memory: the F/E buffer (m n) plus scratch <= m n / 3 (+ slack of
+    one base block row/column), so with Ŵ and the codes it stays under 3 m n elements."""
+    for (m, n, t, base, two) in [(1024, 1024, 16, 8, True), (512, 2048, 16, 4, True),
+                                 (2048, 256, 16, 8, True), (300, 700, 8, 2, True),
+                                 (1024, 1024, 16, 8, False)]:
+        W = np.zeros((m, n))
+        A_O = np.zeros((m, m)) if two else None
+        p = Problem(xnp, W, A_O, np.zeros((n, n)), bakron.UniformQuantizer(2, 1.0), (t, t))
+        ops, scratch = nc.plan(p, base)
+        assert scratch <= m * n / 3 + base * t * (m + n), (m, n, scratch)
+        assert (ops[:, 0] == 0).sum() >= 1
+
+
+def test_numba_not_imported_by_bakron():
+    code = "import sys, bakron; print('numba' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"
+
+
+def test_gptq_order_one_sided_matches_classic_loop():
+    """One-sided, tile (1, 1): the engine equals a plain LDLQ column loop (last column first)."""
+    W, f_in, _ = problem(5, 33, 47, 1, 1, two_sided=False)
+    q = bakron.UniformQuantizer.fit(W, 4)
+    A = f_in.A
+    E = np.zeros_like(W)
+    Wq = np.zeros_like(W)
+    for j in reversed(range(W.shape[1])):
+        t = W[:, j] + E[:, j + 1:] @ A[j + 1:, j]
+        v, _ = q.quantize(t[None, :, None], rows=np.array([0]), cols=np.array([j]))
+        Wq[:, j] = v[0, :, 0]
+        E[:, j] = W[:, j] - Wq[:, j]
+    for method, variant, base in PATHS:
+        r = bakron.solve(W, None, A, q, tile=1, method=method, variant=variant, base=base,
+                         engine="numba")
+        np.testing.assert_array_equal(r.values, Wq)
