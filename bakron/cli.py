@@ -258,8 +258,12 @@ def _cmd_demo(args) -> int:
         raise Unavailable(f"the {args.model!r} demo needs {exc.name!r}, which is not "
                           f"installed: pip install 'bakron[demo]'") from None
     t0 = time.perf_counter()
-    result = mod.run(args.out, device=args.device, bits=tuple(args.bits), quick=args.quick,
-                     progress=not args.quiet)
+    try:
+        result = mod.run(args.out, device=args.device, bits=tuple(args.bits), quick=args.quick,
+                         progress=not args.quiet)
+    except ImportError as exc:  # an optional dependency imported inside the run
+        raise Unavailable(f"the {args.model!r} demo needs a package that is not installed "
+                          f"({exc}); pip install 'bakron[demo]'") from None
     if not args.quiet:
         files = result.get("files") if isinstance(result, dict) else None
         where = ", ".join(str(f) for f in files) if files else os.path.abspath(args.out)

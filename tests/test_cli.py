@@ -384,6 +384,19 @@ def test_demo_missing_model(monkeypatch, capsys):
     assert rc == cli.EXIT_UNAVAILABLE and "bakron.demo.minilm is missing); try --model mlp" in err
 
 
+def test_demo_missing_dependency(monkeypatch, capsys):
+    fake = types.ModuleType("bakron.demo.mlp")
+
+    def run_(out_dir, **kw):
+        raise ModuleNotFoundError("No module named 'sklearn'", name="sklearn")
+
+    fake.run = run_
+    monkeypatch.setitem(sys.modules, "bakron.demo.mlp", fake)
+    rc, _, err = run(["demo", "--model", "mlp"], capsys)
+    assert rc == cli.EXIT_UNAVAILABLE
+    assert "No module named 'sklearn'" in err and "pip install 'bakron[demo]'" in err
+
+
 def test_demo_gpu_unavailable(capsys):
     if io.array_module("auto")[1] == "gpu":
         pytest.skip("a GPU is present")
