@@ -73,7 +73,13 @@ def read_tensors(path) -> dict[str, np.ndarray]:
             raise InputError(f"{path}: not a readable .npz file (it is not a zip archive)")
         try:
             with np.load(path, allow_pickle=False) as d:
-                return {k: np.array(d[k]) for k in d.files}
+                out = {}
+                for k in d.files:
+                    v = d[k]
+                    if not isinstance(v, np.ndarray):  # numpy hands back raw bytes then
+                        raise InputError(f"{path}: member {k!r} is not a .npy array")
+                    out[k] = np.array(v)
+                return out
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
             raise InputError(f"{path}: not a readable .npz file ({exc})") from None
         except ValueError as exc:  # object arrays need pickle, which we never allow
@@ -82,9 +88,14 @@ def read_tensors(path) -> dict[str, np.ndarray]:
     if suffix == ".safetensors":
         try:
             return _safetensors.load(path)
-        except (ValueError, KeyError, OSError) as exc:
+        except KeyError as exc:
+            raise InputError(f"{path}: corrupt safetensors header (an entry has no {exc})") \
+                from None
+        except (ValueError, OSError) as exc:
             msg = str(exc)
             raise InputError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+        except (TypeError, AttributeError) as exc:
+            raise InputError(f"{path}: corrupt safetensors header ({exc})") from None
     raise InputError(f"{path}: unsupported file type {path.suffix!r}; a layer file must end "
                      f"in {' or '.join(LAYER_SUFFIXES)}")
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import zipfile
 
 import numpy as np
 import pytest
@@ -61,6 +63,25 @@ def test_read_tensors_errors(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"\x05\x00")
     with pytest.raises(io.InputError, match="not a safetensors file"):
         io.read_tensors(tmp_path / "bad.safetensors")
+    with zipfile.ZipFile(tmp_path / "zip.npz", "w") as z:
+        z.writestr("W.npy", b"not an array")
+    with pytest.raises(io.InputError, match="member 'W' is not a .npy array"):
+        io.read_tensors(tmp_path / "zip.npz")
+
+    def header(obj, data=b""):
+        h = json.dumps(obj).encode()
+        return struct.pack("<Q", len(h)) + h + data
+
+    (tmp_path / "h1.safetensors").write_bytes(header({"W": {"dtype": "F32"}}))
+    with pytest.raises(io.InputError, match="corrupt safetensors header"):
+        io.read_tensors(tmp_path / "h1.safetensors")
+    (tmp_path / "h2.safetensors").write_bytes(header([1, 2]))
+    with pytest.raises(io.InputError, match="corrupt safetensors header"):
+        io.read_tensors(tmp_path / "h2.safetensors")
+    (tmp_path / "h3.safetensors").write_bytes(
+        header({"W": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, b"1234"))
+    with pytest.raises(io.InputError, match="tensor 'W' is truncated"):
+        io.read_tensors(tmp_path / "h3.safetensors")
 
 
 def test_find_layer_files(tmp_path):
