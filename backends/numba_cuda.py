@@ -290,6 +290,9 @@ class _Run:
         if f32 and TF32:
             mode = cublas.getMathMode(h)
             cublas.setMathMode(h, 3)  # CUBLAS_TF32_TENSOR_OP_MATH
+        if _cublas_scalars_by_pointer(h):
+            alpha = _host_scalar(self.dtname, alpha)
+            beta = _host_scalar(self.dtname, beta)
         try:
             if batch:
                 fn = cublas.sgemmBatched if f32 else cublas.dgemmBatched
@@ -332,6 +335,38 @@ class _Run:
         self._gemm(ta, tb, M, N, K, alpha, base + row * stride, lda,
                    base + (row + 1) * stride, ldb, beta, base + (row + 2) * stride, ldc,
                    batch=k)
+
+
+_SCALARS: dict = {}
+_BY_POINTER = None
+
+
+def _host_scalar(dtname: str, v: float) -> int:
+    """Address of a host scalar (kept alive here) for cuBLAS in host pointer mode."""
+    key = (dtname, float(v))
+    a = _SCALARS.get(key)
+    if a is None:
+        a = _SCALARS[key] = np.array([v], dtype=dtname)
+    return int(a.ctypes.data)
+
+
+def _cublas_scalars_by_pointer(h) -> bool:
+    """Whether cupy's ``cublas.sgemm`` & co. take alpha/beta as host pointers (recent cupy) or
+    by value (older cupy). Probed once on a 1x1 product: passing a pointer is safe either way
+    (by value it is read as a huge float and the product shows it)."""
+    global _BY_POINTER
+    if _BY_POINTER is None:
+        import cupy
+        from cupy.cuda import cublas
+        a = cupy.asarray([3.0])
+        b = cupy.asarray([5.0])
+        c = cupy.zeros(1)
+        if cublas.getPointerMode(h) != 0:
+            cublas.setPointerMode(h, 0)
+        cublas.dgemm(h, 0, 0, 1, 1, 1, _host_scalar("float64", 2.0), a.data.ptr, 1,
+                     b.data.ptr, 1, _host_scalar("float64", 0.0), c.data.ptr, 1)
+        _BY_POINTER = float(c.get()[0]) == 30.0
+    return _BY_POINTER
 
 
 def _ld(X, isz: int) -> int:
