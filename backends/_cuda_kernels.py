@@ -93,6 +93,8 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
     KTX = KC * TX
     KTY = KC * TY
     i16 = types.int16
+    RX = (KTX + NT - 1) // NT
+    RY = (KTY + NT - 1) // NT
 
     def block_kernel(W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc,
                      m, n, nblk, nsteps, flags, s_rows, s_cols, z_rows, z_cols, gsz,
@@ -103,6 +105,10 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
         sAI = cuda.shared.array((KC, TY), dt)
         accp = cuda.local.array(NE, dt)
         acct = cuda.local.array(NE, dt)
+        pa = cuda.local.array(RX, dt)
+        py = cuda.local.array(RX, dt)
+        pe = cuda.local.array(RY, dt)
+        pi = cuda.local.array(RY, dt)
         grid = cuda.cg.this_grid()
         tid = cuda.threadIdx.x
         two = (flags & TWO_SIDED) != 0
@@ -211,44 +217,62 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
                     accp[e] = zero
                     acct[e] = zero
                 for c in range(nch):
-                    if c < npull:
-                        k0 = i1 + c * KC
-                        kc = R1 - k0
-                        if kc > KC:
-                            kc = KC
-                        for idx in range(tid, KTX, NT):
+                    # issue every global load of the chunk first (registers), then store to
+                    # shared memory: the loads are in flight together instead of one by one
+                    k0 = i1 + c * KC
+                    kc = R1 - k0
+                    if kc > KC:
+                        kc = KC
+                    if c >= npull:
+                        kc = 0
+                    l0 = j1 + c * KC
+                    lc = C1 - l0
+                    if lc > KC:
+                        lc = KC
+                    if c >= ntgt:
+                        lc = 0
+                    for r in range(RX):
+                        idx = tid + r * NT
+                        va = zero
+                        vy = zero
+                        if idx < KTX:
                             kk = idx // TX
                             ii = idx - kk * TX
-                            v = zero
                             if kk < kc and ii < hx:
-                                v = AO[(k0 + kk) * m + i0 + ii]
-                            sAO[kk, ii] = v
-                        for idx in range(tid, KTY, NT):
+                                va = AO[(k0 + kk) * m + i0 + ii]
+                            ii2 = idx // KC
+                            kk2 = idx - ii2 * KC
+                            if ii2 < hx and kk2 < lc:
+                                vy = F[f_off + (i0 + ii2 - R0) * f_ld + (l0 + kk2 - C0)]
+                        pa[r] = va
+                        py[r] = vy
+                    for r in range(RY):
+                        idx = tid + r * NT
+                        ve = zero
+                        vi = zero
+                        if idx < KTY:
                             kk = idx // TY
                             jj = idx - kk * TY
-                            v = zero
-                            if kk < kc and jj < hy:
-                                v = E[(k0 + kk) * n + j0 + jj]
-                            sE[kk, jj] = v
-                    if c < ntgt:
-                        l0 = j1 + c * KC
-                        lc = C1 - l0
-                        if lc > KC:
-                            lc = KC
-                        for idx in range(tid, KTX, NT):
-                            ii = idx // KC
-                            kk = idx - ii * KC
-                            v = zero
-                            if ii < hx and kk < lc:
-                                v = F[f_off + (i0 + ii - R0) * f_ld + (l0 + kk - C0)]
-                            sY[ii, kk] = v
-                        for idx in range(tid, KTY, NT):
+                            if jj < hy:
+                                if kk < kc:
+                                    ve = E[(k0 + kk) * n + j0 + jj]
+                                if kk < lc:
+                                    vi = AI[(l0 + kk) * n + j0 + jj]
+                        pe[r] = ve
+                        pi[r] = vi
+                    for r in range(RX):
+                        idx = tid + r * NT
+                        if idx < KTX:
+                            kk = idx // TX
+                            sAO[kk, idx - kk * TX] = pa[r]
+                            ii2 = idx // KC
+                            sY[ii2, idx - ii2 * KC] = py[r]
+                    for r in range(RY):
+                        idx = tid + r * NT
+                        if idx < KTY:
                             kk = idx // TY
-                            jj = idx - kk * TY
-                            v = zero
-                            if kk < lc and jj < hy:
-                                v = AI[(l0 + kk) * n + j0 + jj]
-                            sAI[kk, jj] = v
+                            sE[kk, idx - kk * TY] = pe[r]
+                            sAI[kk, idx - kk * TY] = pi[r]
                     cuda.syncthreads()
                     for e in range(NE):
                         el = tid + e * NT
