@@ -315,54 +315,58 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
 # ---------------------------------------------------------------------------------------
 # anti-diagonal solvers (the baselines), whole matrix
 # ---------------------------------------------------------------------------------------
-@njit(cache=True, parallel=True)
+@njit(cache=True, inline="always")
+def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
+              s_tab, z_tab, gs, lo, hi, sym):
+    """One tile of the accumulator wavefront: target, rounding, and its ``Y`` update."""
+    m, n = W.shape
+    r0 = a * tx
+    r1 = min(r0 + tx, m)
+    c0 = b * ty
+    c1 = min(c0 + ty, n)
+    h = r1 - r0
+    w = c1 - c0
+    Tt = np.empty(h * w, W.dtype)
+    Et = np.empty(h * w, W.dtype)
+    for i in range(h):
+        for j in range(w):
+            base = W[r0 + i, c0 + j] + F[r0 + i, c0 + j] if useF else W[r0 + i, c0 + j]
+            Tt[i * w + j] = base + Y[r0 + i, c0 + j]
+    # T += Y[rows a, c1:] A_I[c1:, cols b]   (G_I's diagonal block is I: Y[a, b] above)
+    gemm(Tt, 0, w, Y, r0 * n + c1, n, False, AI, c1 * n + c0, n, False, h, w, n - c1, 1.0)
+    for i in range(h):
+        for j in range(w):
+            t = Tt[i * w + j]
+            v, c = _quant(t, r0 + i, c0 + j, s_tab, z_tab, gs, lo, hi, sym)
+            Wq[r0 + i, c0 + j] = v
+            codes[r0 + i, c0 + j] = np.int16(c)
+            if useT:
+                T[r0 + i, c0 + j] = t
+            e = W[r0 + i, c0 + j] - v
+            Et[i * w + j] = e
+            Y[r0 + i, c0 + j] += e
+    # Y[:r0, cols b] += A_O[rows a, :r0]^T E_ab
+    gemm(Y, c0, n, AO, r0 * m, m, True, Et, 0, w, False, r0, w, h, 1.0)
+
+
+@njit(cache=True)
 def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, tx, ty,
                              s_tab, z_tab, gs, lo, hi, sym):
     """Two-sided anti-diagonal wavefront with the accumulator ``Y = G_O^T Ẽ`` (SPEC §4):
-    one parallel step per anti-diagonal, the tiles of a diagonal in parallel, each fusing
-    its target ``W + F + Y[a, >=b] G_I[>=b, b]``, its rounding and its ``Y`` update."""
+    one step per anti-diagonal; each tile fuses its target ``W + F + Y[a, >=b] G_I[>=b, b]``
+    (a small BLAS product), its rounding and its ``Y`` update (another). Tiles of one
+    diagonal write disjoint columns of ``Y`` and read none that another writes, so they
+    could run in parallel; on the CPU the tiles of a diagonal run one after the other, as
+    a prange over them measured 5-70x slower (thread hand-offs per diagonal, and BLAS calls
+    from worker threads contend with BLAS's own threads; see docs/engines.md)."""
     m, n = W.shape
     M = (m + tx - 1) // tx
     N = (n + ty - 1) // ty
     Y = np.zeros((m, n), W.dtype)
     for s in range(M + N - 2, -1, -1):
-        alo = max(0, s - N + 1)
-        ahi = min(M - 1, s)
-        for a in prange(alo, ahi + 1):
-            b = s - a
-            r0 = a * tx
-            r1 = min(r0 + tx, m)
-            c0 = b * ty
-            c1 = min(c0 + ty, n)
-            h = r1 - r0
-            w = c1 - c0
-            Tt = np.empty((h, w), W.dtype)
-            Et = np.empty((h, w), W.dtype)
-            for i in range(h):
-                for j in range(w):
-                    base = W[r0 + i, c0 + j] + F[r0 + i, c0 + j] if useF else W[r0 + i, c0 + j]
-                    Tt[i, j] = base + Y[r0 + i, c0 + j]
-                for l in range(c1, n):
-                    coef = Y[r0 + i, l]
-                    for j in range(w):
-                        Tt[i, j] += coef * AI[l, c0 + j]
-                for j in range(w):
-                    t = Tt[i, j]
-                    v, c = _quant(t, r0 + i, c0 + j, s_tab, z_tab, gs, lo, hi, sym)
-                    Wq[r0 + i, c0 + j] = v
-                    codes[r0 + i, c0 + j] = np.int16(c)
-                    if useT:
-                        T[r0 + i, c0 + j] = t
-                    Et[i, j] = W[r0 + i, c0 + j] - v
-            # Y[:r1, cols b] += G_O[rows a, :r1]^T E_ab  (G_O's diagonal block is I)
-            for i in range(h):
-                for j in range(w):
-                    Y[r0 + i, c0 + j] += Et[i, j]
-            for i in range(h):
-                for k in range(r0):
-                    g = AO[r0 + i, k]
-                    for j in range(w):
-                        Y[k, c0 + j] += g * Et[i, j]
+        for a in range(max(0, s - N + 1), min(M - 1, s) + 1):
+            _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, s - a, tx, ty,
+                      s_tab, z_tab, gs, lo, hi, sym)
 
 
 @njit(cache=True)
