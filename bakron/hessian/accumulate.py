@@ -73,7 +73,8 @@ class FactorAccumulator:
         if weights is None:
             return None
         if not hasattr(weights, "shape"):
-            raise ValueError(f"{name} must be an array of {k} weights, got {type(weights).__name__}")
+            raise ValueError(f"{name} must be an array of {k} weights, got "
+                             f"{type(weights).__name__}")
         w = xp.reshape(weights, (-1,)) if len(weights.shape) != 1 else weights
         if w.shape[0] != k:
             raise ValueError(f"{name} has {w.shape[0]} entries but there are {k} "
@@ -92,7 +93,9 @@ class FactorAccumulator:
         quadratic forms of a refinement step). Inputs are checked (shapes, finiteness) before
         anything is added.
         """
-        xp = _xp.namespace(rows, weights, coef, self.sum)
+        return self._update(_xp.namespace(rows, weights, coef, self.sum), rows, weights, coef)
+
+    def _update(self, xp, rows, weights=None, coef=None):
         if not hasattr(rows, "shape") or len(rows.shape) < 1 or rows.shape[-1] != self.n:
             raise ValueError(f"rows must have shape (..., {self.n}), got "
                              f"{getattr(rows, 'shape', None)}")
@@ -124,7 +127,10 @@ class FactorAccumulator:
         ``(Σ_t y_t)(Σ_t y_t)ᵀ``). ``weights``: one per sequence (default 1); the total weight
         grows by ``Σ w_s`` (or by ``weight_total`` when given).
         """
-        xp = _xp.namespace(seqs, mix, weights, self.sum)
+        return self._update_sequences(_xp.namespace(seqs, mix, weights, self.sum), seqs, mix,
+                                      weights, weight_total)
+
+    def _update_sequences(self, xp, seqs, mix=None, weights=None, weight_total=None):
         if not hasattr(seqs, "shape") or len(seqs.shape) != 3 or seqs.shape[-1] != self.n:
             raise ValueError(f"seqs must have shape (S, T, {self.n}), got "
                              f"{getattr(seqs, 'shape', None)}")

@@ -61,7 +61,8 @@ def binomial_cost(l: int, s: int) -> int:
 
 @lru_cache(maxsize=None)
 def bisection_cost(l: int) -> int:
-    """Forward evaluations of the bisection schedule: ``T(l) = m + T(l-m) + T(m)``, ``m = ceil(l/2)``."""
+    """Forward evaluations of the bisection schedule:
+    ``T(l) = m + T(l-m) + T(m)`` with ``m = ceil(l/2)``, ``T(1) = 0``."""
     _check(l)
     if l == 1:
         return 0

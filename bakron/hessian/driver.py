@@ -815,22 +815,24 @@ class _Run:
                 lead = tuple(x.shape[:-1])
                 w_tok = _token_weights(xp, state["w"], lead)
                 if _step == "kfac":
-                    _accs[name][0].update(x, w_tok)
-                    _accs[name][1].update(g, w_tok)
+                    _accs[name][0]._update(xp, x, w_tok)
+                    _accs[name][1]._update(xp, g, w_tok)
                     return
                 H_in, H_out = current[name]
                 if self.refine == "token":
                     if _step == "refine_out":
-                        _accs[name].update(g, w_tok, coef=token_quadratic(xp, x, H_in))
+                        _accs[name]._update(xp, g, w_tok, token_quadratic(xp, x, H_in))
                     else:
-                        _accs[name].update(x, w_tok, coef=token_quadratic(xp, g, H_out))
+                        _accs[name]._update(xp, x, w_tok, token_quadratic(xp, g, H_out))
                     return
                 B = x.shape[0]
                 X3, G3 = xp.reshape(x, (B, -1, n)), xp.reshape(g, (B, -1, m))
                 if _step == "refine_out":
-                    _accs[name].update_sequences(G3, sequence_mix(xp, X3, H_in), state["w"])
+                    _accs[name]._update_sequences(xp, G3, sequence_mix(xp, X3, H_in),
+                                                  state["w"])
                 else:
-                    _accs[name].update_sequences(X3, sequence_mix(xp, G3, H_out), state["w"])
+                    _accs[name]._update_sequences(xp, X3, sequence_mix(xp, G3, H_out),
+                                                  state["w"])
 
             def on_batch(k):
                 state["w"] = P["weights"][k]
