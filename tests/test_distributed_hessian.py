@@ -137,6 +137,20 @@ def test_resume_recomputes_only_what_is_missing(batches, tmp_path):
         assert np.array_equal(H_in, ref[n][0]) and np.array_equal(H_out, ref[n][1])
 
 
+def test_shard_arrays_are_used_as_aligned_copies():
+    """Arrays that arrive from the network can be unaligned; numpy's matmul then leaves BLAS
+    and rounds differently, so a task copies its shard (the Dask test caught this)."""
+    from bakron.distributed.hessian import _shard_batches
+
+    raw = bytearray(8 * 24 + 3)
+    x = np.frombuffer(raw, dtype=np.float64, count=24, offset=3).reshape(2, 12)
+    assert not x.flags.aligned
+    for src in (x, [x, x]):
+        got = _shard_batches(src, None)
+        assert all(b.flags.aligned and b.flags.c_contiguous and b.flags.writeable for b in got)
+        assert all(b.base is None and np.array_equal(b, x) for b in got)
+
+
 def test_a_bad_shard_is_reported(batches, tmp_path):
     bad = [b.copy() for b in batches[:2]]
     bad[1][0, 0] = np.nan

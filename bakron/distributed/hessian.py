@@ -156,9 +156,9 @@ def _shard_batches(src, batch_size):
         else:
             raise ValueError(f"{path}: a shard file is .npy (one array) or .npz (batches)")
     elif hasattr(src, "shape"):
-        arrays = [np.asarray(src)]
-    elif isinstance(src, (list, tuple)):
-        arrays = [np.asarray(a) for a in src]
+        arrays = [np.array(src)]  # fresh, aligned copies: arrays that arrive from the network
+    elif isinstance(src, (list, tuple)):  # may be unaligned, and numpy then skips BLAS (other bits)
+        arrays = [np.array(a) for a in src]
         if batch_size is not None:
             raise ValueError("batch_size splits a single array; this shard is a list of batches")
     else:
@@ -216,7 +216,7 @@ def _total_weight(batches, ws) -> float:
         if w is None:
             tot += float(math.prod(lead))
         else:
-            w = np.asarray(w, dtype=np.float64)
+            w = np.array(w, dtype=np.float64)
             w = w.reshape(w.shape + (1,) * (len(lead) - w.ndim))
             tot += float(np.sum(np.broadcast_to(w, lead)))
     return tot
@@ -254,7 +254,12 @@ def partial_task(model, src, shard: int, rng: int, offset: int, names, settings:
     if ok:
         return dict(rec, status="done", wrote=False, checksum=cs, finished=now_iso(),
                     seconds=time.perf_counter() - t0)
-    stages = model() if callable(model) else list(model)
+    if isinstance(model, bytes):  # a pickled list: unpickling makes fresh, aligned arrays
+        import pickle
+
+        stages = pickle.loads(model)
+    else:
+        stages = model() if callable(model) else list(model)
     body, head = _split(stages)
     keep = set(names)
     chain = [_Only(st, keep, i) for i, st in enumerate(body)] + [_ShiftedHead(head, offset)]
@@ -572,7 +577,15 @@ def _run_dask(client, model, stages, shards, need_p, need_f, ranges, range_of, o
               settings, weights_of, pkeys, fkeys, out_dir, retries, on_partial, on_factor):
     from distributed import as_completed
 
-    m = model if callable(model) else client.scatter(stages, broadcast=True, hash=False)
+    if callable(model):
+        m = model
+    else:
+        # sent once as a pickle, unpickled by each task: arrays deserialised by Dask can sit at
+        # unaligned addresses, where numpy's matmul leaves BLAS and rounds differently
+        import pickle
+
+        m = client.scatter(pickle.dumps(stages, protocol=4),  # protocol 4: arrays are copied
+                           broadcast=True, hash=False)
     pf = {}
     for r, s in need_p:
         pf[(r, s)] = client.submit(partial_task, m, shards[s], s, r, offsets[s], ranges[r],
