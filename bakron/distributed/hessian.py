@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._fs import is_tmp_name  # noqa: F401  (re-exported for tests)
 from ._jobs import TensorRef, safe_file_name, tensor_checksum
 from ._outputs import (OutputLock, clean_tmp, now_iso, publish_tensors, quarantine,
                        read_manifest, verify_layer_file, write_manifest)
