@@ -350,7 +350,7 @@ def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
 
 
 @njit(cache=True)
-def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, tx, ty,
+def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, Y, tx, ty,
                              s_tab, z_tab, gs, lo, hi, sym):
     """Two-sided anti-diagonal wavefront with the accumulator ``Y = G_O^T Ẽ`` (SPEC §4):
     one step per anti-diagonal; each tile fuses its target ``W + F + Y[a, >=b] G_I[>=b, b]``
@@ -362,7 +362,7 @@ def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, tx, ty,
     m, n = W.shape
     M = (m + tx - 1) // tx
     N = (n + ty - 1) // ty
-    Y = np.zeros((m, n), W.dtype)
+    Y[:, :] = 0.0
     for s in range(M + N - 2, -1, -1):
         for a in range(max(0, s - N + 1), min(M - 1, s) + 1):
             _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, s - a, tx, ty,
@@ -370,7 +370,7 @@ def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, tx, ty,
 
 
 @njit(cache=True)
-def antidiagonal_direct(W, F, useF, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
+def antidiagonal_direct(W, F, useF, AO, AI, two_sided, Wq, codes, T, useT, E, tx, ty,
                         s_tab, z_tab, gs, lo, hi, sym):
     """Anti-diagonal wavefront with every target from (1) over its dominating region:
     ``T_ab = W_ab + G_O[>=a, a]^T (E[>=a, >=b] G_I[>=b, b])`` by two BLAS products per tile
@@ -379,7 +379,7 @@ def antidiagonal_direct(W, F, useF, AO, AI, two_sided, Wq, codes, T, useT, tx, t
     m, n = W.shape
     M = (m + tx - 1) // tx
     N = (n + ty - 1) // ty
-    E = np.zeros((m, n), W.dtype)
+    E[:, :] = 0.0
     V = np.empty(m * ty, W.dtype)            # flat buffers, leading dimension = tile width
     Tt = np.empty(tx * ty, W.dtype)
     if not two_sided:

@@ -28,11 +28,15 @@ import importlib.util
 
 import numpy as np
 
-__all__ = ["available", "supports", "solve_block", "solve", "warm_up", "PANEL"]
+__all__ = ["available", "supports", "solve_block", "solve", "auto_base", "auto_method",
+           "warm_up", "PANEL", "BASE_ELEMENTS"]
 
 #: Panel width (elements) of the triangular products: the zero triangle of a unit-triangular
 #: block is skipped except inside the diagonal panels. Measured: see docs/engines.md.
 PANEL = 128
+
+#: Side of the base block in elements that ``auto_base`` aims at. Measured: docs/engines.md.
+BASE_ELEMENTS = 128
 
 _K = None
 
@@ -188,10 +192,12 @@ def solve(p, method: str, base: int, variant: str) -> bool:
     AO = g.AO if two else g.dummy
     if method == "antidiagonal":
         if variant == "direct":
-            K.antidiagonal_direct(g.W, F, useF, AO, g.AI, two, p.Wq, p.codes, g.T, g.useT,
+            E = np.empty((p.m, p.n), dtype=g.dtype)     # the errors, kept in full
+            K.antidiagonal_direct(g.W, F, useF, AO, g.AI, two, p.Wq, p.codes, g.T, g.useT, E,
                                   p.tx, p.ty, *g.quant())
         elif two:
-            K.antidiagonal_accumulator(g.W, F, useF, AO, g.AI, p.Wq, p.codes, g.T, g.useT,
+            Y = np.empty((p.m, p.n), dtype=g.dtype)     # the accumulator G_O^T Ẽ
+            K.antidiagonal_accumulator(g.W, F, useF, AO, g.AI, p.Wq, p.codes, g.T, g.useT, Y,
                                        p.tx, p.ty, *g.quant())
         else:  # one-sided accumulator: the column sweep, all rows in parallel
             K.base_one_sided(g.W, F, useF, g.AI, p.Wq, p.codes, g.T, g.useT, g.dummy, False,
@@ -203,6 +209,19 @@ def solve(p, method: str, base: int, variant: str) -> bool:
     K.run_plan(ops, g.W, FE, AO, g.AI, two, p.Wq, p.codes, g.T, g.useT, buf, p.tx, p.ty,
                PANEL, *g.quant())
     return True
+
+
+def auto_base(p) -> int:
+    """Base-block size in tiles for ``base=None``: a block of about ``BASE_ELEMENTS``
+    elements a side (tiles ``t_x x t_y`` count as ``sqrt(t_x t_y)``)."""
+    return max(1, int(round(BASE_ELEMENTS / float(np.sqrt(p.tx * p.ty)))))
+
+
+def auto_method(p, base: int) -> str:
+    """``method="auto"`` on this engine: always the recursion (a problem of at most one
+    base block is solved by one base-block kernel, which beats the anti-diagonal kernels
+    at every size measured; docs/engines.md)."""
+    return "recursive"
 
 
 def warm_up() -> None:

@@ -255,6 +255,115 @@ def _plot(rows, path, dtype, tile, bits):
     plt.close(fig)
 
 
+def tune(sizes=(512, 1024, 2048), repeats=5, dtype="float32", log=print) -> str:
+    """The measurements behind the numba engine's auto rules (docs/engines.md): base-block
+    size per tile, one-sided base size, triangular panel width, and recursive vs
+    anti-diagonal on small problems. Every entry is a median ratio to the floor product
+    measured alongside (interleaved). Returns a markdown report."""
+    import bakron
+    from bakron.backends import numba_cpu as nc
+
+    dt = np.dtype(dtype)
+    nc.warm_up()
+    out = []
+
+    def solver(W, AO, AI, q, tile, **kw):
+        return lambda: bakron.solve(W, AO, AI, q, tile=tile, engine="numba", **kw)
+
+    # 1. base size (two-sided), tiles 16 and 8
+    for t, bases in ((16, (2, 4, 8, 16, 32)), (8, (4, 8, 16, 32, 64))):
+        out += [f"### Base size, two-sided, tile {t}x{t} (time ÷ floor)", "",
+                "| n | floor ms | " + " | ".join(f"base {b} ({b * t})" for b in bases) + " |",
+                "|---:|---:|" + "---:|" * len(bases)]
+        for n in sizes:
+            P = make_problem(n, n, (t, t), dt)
+            W, AO, AI = P["W"], P["A_out"], P["A_in"]
+            q = bakron.UniformQuantizer.fit(W, 2)
+            cfg = {b: solver(W, AO, AI, q, t, method="recursive", base=b) for b in bases}
+            f, r, _ = _interleave(W, AO, AI, cfg, repeats)
+            out.append(f"| {n} | {f * 1e3:.1f} | " + " | ".join(f"{r[b]:.2f}" for b in bases)
+                       + " |")
+            log(out[-1])
+        out.append("")
+    # 2. panel width of the triangular products
+    panels = (64, 128, 256, 1 << 30)
+    out += ["### Panel width of the unit-triangular products, tile 16, auto base "
+            "(time ÷ floor; 'dense' = no skipping)", "",
+            "| n | " + " | ".join("dense" if w == 1 << 30 else str(w) for w in panels) + " |",
+            "|---:|" + "---:|" * len(panels)]
+    saved = nc.PANEL
+    try:
+        for n in sizes:
+            P = make_problem(n, n, (16, 16), dt)
+            W, AO, AI = P["W"], P["A_out"], P["A_in"]
+            q = bakron.UniformQuantizer.fit(W, 2)
+
+            def with_panel(w):
+                def fn():
+                    nc.PANEL = w
+                    bakron.solve(W, AO, AI, q, tile=16, method="recursive", engine="numba")
+                return fn
+            f, r, _ = _interleave(W, AO, AI, {w: with_panel(w) for w in panels}, repeats)
+            out.append(f"| {n} | " + " | ".join(f"{r[w]:.2f}" for w in panels) + " |")
+            log(out[-1])
+    finally:
+        nc.PANEL = saved
+    out.append("")
+    # 3. one-sided base size, tile (16, 1) (GPTQ's rule)
+    bases = (16, 32, 64, 128, 256)
+    out += ["### Base size, one-sided, tile 16x1 (time ÷ one-sided floor `W G_I`)", "",
+            "| n | floor ms | " + " | ".join(f"base {b}" for b in bases) + " |",
+            "|---:|---:|" + "---:|" * len(bases)]
+    for n in sizes:
+        P = make_problem(n, n, (16, 1), dt)
+        W, AI = P["W"], P["A_in1"]
+        q = bakron.UniformQuantizer.fit(W, 2)
+        cfg = {b: solver(W, None, AI, q, (16, 1), method="recursive", base=b) for b in bases}
+        f, r, _ = _interleave(W, None, AI, cfg, repeats)
+        out.append(f"| {n} | {f * 1e3:.1f} | " + " | ".join(f"{r[b]:.2f}" for b in bases) + " |")
+        log(out[-1])
+    out.append("")
+    # 4. small problems: one base block / recursion vs the anti-diagonal kernels
+    out += ["### Small problems, tile 16, two-sided: milliseconds", "",
+            "| n | recursive (auto base) | anti-diagonal accumulator | anti-diagonal direct |",
+            "|---:|---:|---:|---:|"]
+    for n in (32, 64, 128, 256):
+        P = make_problem(n, n, (16, 16), dt)
+        W, AO, AI = P["W"], P["A_out"], P["A_in"]
+        q = bakron.UniformQuantizer.fit(W, 2)
+        cfg = {"rec": solver(W, AO, AI, q, 16, method="recursive"),
+               "acc": solver(W, AO, AI, q, 16, method="antidiagonal"),
+               "dir": solver(W, AO, AI, q, 16, method="antidiagonal", variant="direct")}
+        f, r, _ = _interleave(W, AO, AI, cfg, max(repeats, 9))
+        out.append(f"| {n} | " + " | ".join(f"{r[c] * f * 1e3:.2f}" for c in cfg) + " |")
+        log(out[-1])
+    out.append("")
+    return "\n".join(out)
+
+
+def _interleave(W, A_out, A_in, configs, repeats):
+    """Median time of each config ÷ median floor (``G_Oᵀ W G_I``, or ``W G_I`` one-sided),
+    all interleaved so that load changes hit every entry alike."""
+    dt = W.dtype
+    m, n = W.shape
+    GI = np.eye(n, dtype=dt) + A_in
+    GO = None if A_out is None else np.eye(m, dtype=dt) + A_out
+    floor = (lambda: W @ GI) if GO is None else (lambda: floor_product(GO, W, GI))
+    for fn in configs.values():
+        fn()
+    fl, ts = [], {c: [] for c in configs}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        floor()
+        fl.append(time.perf_counter() - t0)
+        for c, fn in configs.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[c].append(time.perf_counter() - t0)
+    f = float(np.median(fl))
+    return f, {c: float(np.median(v)) / f for c, v in ts.items()}, None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bakron bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="256,512,1024,2048",
@@ -271,6 +380,9 @@ def main(argv=None) -> int:
                     help="seconds per entry before fewer repeats are taken")
     ap.add_argument("--out", default=os.path.join("docs", "benchmarks"),
                     help="output directory for cpu.md and cpu.png")
+    ap.add_argument("--tune", action="store_true",
+                    help="measure the numba engine's auto rules (base size, panel width, "
+                         "small problems) and print a markdown report instead")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: sizes 128,256, 2 repeats (overrides --sizes/--repeats)")
     args = ap.parse_args(argv)
@@ -287,6 +399,12 @@ def main(argv=None) -> int:
     if not numba_cpu.available():
         print("bakron bench needs numba (pip install 'bakron[bench]')", file=sys.stderr)
         return 2
+    if args.tune:
+        print(f"bakron bench --tune: {_machine()}")
+        report = tune(sizes=[s for s in sizes if s >= 256], repeats=args.repeats,
+                      dtype=args.dtype)
+        print(report)
+        return 0
     command = "python -m bakron.bench " + " ".join(shlex.quote(a) for a in (
         sys.argv[1:] if argv is None else argv))
     machine = _machine()

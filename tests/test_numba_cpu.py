@@ -225,3 +225,28 @@ def test_gptq_order_one_sided_matches_classic_loop():
         r = bakron.solve(W, None, A, q, tile=1, method=method, variant=variant, base=base,
                          engine="numba")
         np.testing.assert_array_equal(r.values, Wq)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("two_sided", [True, False])
+def test_recursive_extra_memory_within_budget(dtype, two_sided):
+    """Issue 3: the recursive solver's extra memory is <= 3 m n elements beyond its inputs.
+    Ŵ (allocated with the problem) counts 1; everything the engine allocates (codes, the
+    F/E buffer, scratch) must stay within the other 2 (numba's internal per-block buffers
+    are O(base block))."""
+    import tracemalloc
+
+    m, n = 384, 320
+    W, f_in, f_out = problem(2, m, n, 16, 16, two_sided=two_sided)
+    q = bakron.UniformQuantizer.fit(W, 2)
+    A_out = None if f_out is None else f_out.A.astype(dtype)
+    p = Problem(xnp, W.astype(dtype), A_out, f_in.A.astype(dtype), q, (16, 16))
+    nc.solve(p, "recursive", 2, "accumulator")  # compile / warm outside the trace
+    p = Problem(xnp, W.astype(dtype), A_out, f_in.A.astype(dtype), q, (16, 16))
+    tracemalloc.start()
+    try:
+        nc.solve(p, "recursive", 2, "accumulator")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= 2 * m * n * np.dtype(dtype).itemsize, peak / (m * n * np.dtype(dtype).itemsize)

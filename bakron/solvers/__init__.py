@@ -75,12 +75,32 @@ def _resolve_engine(engine: str, p: Problem):
     return engine, mod
 
 
-def _auto_method(p: Problem, base: int) -> str:
-    """The schedule for ``method='auto'`` (see docs/algorithm.md, 'Choosing a method')."""
+def _auto_base(p: Problem, engine: str) -> int:
+    """Base-block size (tiles per side) when ``base`` is not given.
+
+    numba engine: its measured rule (``backends/numba_cpu.auto_base``, docs/engines.md);
+    every other engine: ``BASE_TILES`` (the cuda engine maps that to its own default).
+    """
+    if engine == "numba":
+        from .. import backends
+        mod = backends.load("numba")
+        if mod is not None:
+            return mod.auto_base(p)
+    return BASE_TILES
+
+
+def _auto_method(p: Problem, base: int, engine: str = "array_api") -> str:
+    """The schedule for ``method='auto'`` (see docs/algorithm.md, 'Choosing a method', and
+    docs/engines.md for the CPU measurements)."""
     if _xp.is_cupy(p.xp) and p.T is None:  # GPU: cuda engine's rules (docs/benchmarks/h200.md)
         from .. import backends
         mod = backends.load("cuda")
         if mod is not None and mod.supports(p):
+            return mod.auto_method(p, base)
+    if engine == "numba":  # CPU: numba engine's measured rule
+        from .. import backends
+        mod = backends.load("numba")
+        if mod is not None:
             return mod.auto_method(p, base)
     return "recursive" if (p.M > base or p.N > base) else "antidiagonal"
 
@@ -111,7 +131,8 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     variant : {"accumulator", "direct"}
         For ``method="antidiagonal"``: how targets are formed (SPEC §4).
     base : int
-        Base-block size in tiles for the recursive solver (default 8).
+        Base-block size in tiles for the recursive solver (default: the engine's measured
+        rule, docs/engines.md; 8 on the array-API engine).
     return_targets : bool
         Record every tile's target (for the loss identity); forces the array-API engine
         unless the engine records them too.
@@ -137,6 +158,7 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if variant not in ("accumulator", "direct"):
         raise ValueError(f"variant must be 'accumulator' or 'direct', got {variant!r}")
+    auto_base = base is None
     base = BASE_TILES if base is None else int(base)
     if base < 1:
         raise ValueError(f"base must be a positive number of tiles, got {base}")
@@ -149,8 +171,10 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
     eng_name, eng = ("array_api", None) if return_targets and engine == "auto" else \
         _resolve_engine(engine, p)
+    if auto_base:
+        base = _auto_base(p, eng_name)
     if method == "auto":
-        method = _auto_method(p, base)
+        method = _auto_method(p, base, eng_name)
     info = {"base": base, "variant": variant if method == "antidiagonal" else None}
 
     _xp.sync(xp)

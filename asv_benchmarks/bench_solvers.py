@@ -1,0 +1,154 @@
+"""The rounding solvers on the CPU: method x shape x dtype x engine.
+
+* ``time_solve`` / ``peakmem_solve``: wall time and process peak memory (asv) of one solve
+  (tile 16 x 16, 2-bit grid with per-row RMS scales, Wishart Hessians);
+* ``track_time_over_floor``: median solve time ÷ median time of the floor product
+  ``G_Oᵀ W G_I`` (numpy, same dtype), measured alongside — lower is better;
+* ``track_proxy_over_rtn``: proxy error ``tr(E H_I Eᵀ H_O) / tr(W H_I Wᵀ H_O)`` of the result
+  ÷ that of round-to-nearest — lower is better (> 1 happens at 2 bits, SPEC §7);
+* ``track_extra_memory_mn``: peak array memory allocated by one solve (tracemalloc), in
+  units of ``m n`` elements of the dtype, outputs included — lower is better; issue 3 asks
+  ≤ 3 for the recursive solver (the copies of ``A_out``/``A_in`` that ``Problem`` makes in
+  the working dtype count here too).
+
+Default run: 256² … 2048², float32 and float64, engines numba and array_api; slow
+combinations (the O(n⁴) direct anti-diagonal beyond 1024², the array-API engine beyond
+1024², float64 beyond 1024²) and the MLP shapes 4096 x 11008 / 11008 x 4096 are skipped
+unless ``BAKRON_ASV_FULL=1``. numba's JIT is warmed up in ``setup``.
+"""
+import os
+import time
+
+import numpy as np
+
+import bakron
+
+FULL = os.environ.get("BAKRON_ASV_FULL", "") not in ("", "0")
+TILE = 16
+BITS = 2
+SHAPES = ["256x256", "512x512", "1024x1024", "2048x2048", "4096x11008", "11008x4096"]
+METHODS = ["recursive", "antidiagonal", "antidiagonal-direct"]
+_CACHE = {}
+
+
+def _shape(s):
+    m, n = (int(x) for x in s.split("x"))
+    return m, n
+
+
+def _hessian(rng, n):
+    """A Wishart-like SPD matrix; low-rank-plus-identity above 4096 (cheaper to form)."""
+    if n <= 4096:
+        X = rng.standard_normal((n, n + 64))
+        return X @ X.T / X.shape[1]
+    X = rng.standard_normal((n, 256))
+    return X @ X.T / 256 + np.eye(n)
+
+
+def _problem(shape, dtype):
+    key = (shape, dtype)
+    if key not in _CACHE:
+        m, n = _shape(shape)
+        rng = np.random.default_rng(0)
+        W = rng.standard_normal((m, n))
+        f_in = bakron.prepare_factor(_hessian(rng, n), TILE)
+        f_out = bakron.prepare_factor(_hessian(rng, m), TILE)
+        dt = np.dtype(dtype)
+        _CACHE.clear()  # one problem at a time (the MLP shapes are large)
+        _CACHE[key] = dict(W=W.astype(dt), A_out=f_out.A.astype(dt), A_in=f_in.A.astype(dt),
+                           H_in=f_in.H, H_out=f_out.H,
+                           q=bakron.UniformQuantizer.fit(W, BITS))
+    return _CACHE[key]
+
+
+def _skip(method, shape, dtype, engine):
+    m, n = _shape(shape)
+    big = max(m, n)
+    if FULL:
+        return method == "antidiagonal-direct" and big > 2048
+    if big > 2048:
+        return True
+    if dtype == "float64" and big > 1024:
+        return True
+    if engine == "array_api" and big > 1024:
+        return True
+    if method == "antidiagonal-direct" and big > (1024 if engine == "numba" else 256):
+        return True
+    return False
+
+
+class Solvers:
+    params = [METHODS, SHAPES, ["float32", "float64"], ["numba", "array_api"]]
+    param_names = ["method", "shape", "dtype", "engine"]
+    timeout = 900
+    number = 1
+    repeat = (1, 5, 60.0)
+
+    def setup(self, method, shape, dtype, engine):
+        if _skip(method, shape, dtype, engine):
+            raise NotImplementedError("skipped by default (set BAKRON_ASV_FULL=1)")
+        if engine == "numba":
+            from bakron.backends import numba_cpu
+
+            if not numba_cpu.available():
+                raise NotImplementedError("numba is not installed")
+            numba_cpu.warm_up()
+        self.p = _problem(shape, dtype)
+        meth, _, variant = method.partition("-")
+        self.kw = dict(tile=TILE, method=meth, variant=variant or "accumulator", engine=engine)
+        self._solve()  # JIT, BLAS buffers, caches
+
+    def _solve(self):
+        p = self.p
+        return bakron.solve(p["W"], p["A_out"], p["A_in"], p["q"], **self.kw)
+
+    def time_solve(self, method, shape, dtype, engine):
+        self._solve()
+
+    def peakmem_solve(self, method, shape, dtype, engine):
+        self._solve()
+
+    def track_time_over_floor(self, method, shape, dtype, engine):
+        p = self.p
+        m, n = p["W"].shape
+        GO = np.eye(m, dtype=p["W"].dtype) + p["A_out"]
+        GI = np.eye(n, dtype=p["W"].dtype) + p["A_in"]
+        floor, solve = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            GO.T @ p["W"] @ GI
+            floor.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            self._solve()
+            solve.append(time.perf_counter() - t0)
+        return float(np.median(solve) / np.median(floor))
+
+    track_time_over_floor.unit = "× floor"
+
+    def track_proxy_over_rtn(self, method, shape, dtype, engine):
+        p = self.p
+        Wq = self._solve().values
+        rtn, _ = p["q"].rtn(p["W"])
+        err = bakron.proxy_error(p["W"], Wq, p["H_in"], p["H_out"])
+        return float(err / bakron.proxy_error(p["W"], rtn, p["H_in"], p["H_out"]))
+
+    track_proxy_over_rtn.unit = "× RTN"
+
+    def track_extra_memory_mn(self, method, shape, dtype, engine):
+        """Peak of the array memory allocated during one solve (tracemalloc sees numpy's
+        allocations; the numba engine allocates its large buffers through numpy), outputs
+        included, in units of m n elements."""
+        import tracemalloc
+
+        p = self.p
+        m, n = p["W"].shape
+        tracemalloc.start()
+        try:
+            r = self._solve()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        del r
+        return float(peak / (m * n * p["W"].dtype.itemsize))
+
+    track_extra_memory_mn.unit = "m·n elements"
