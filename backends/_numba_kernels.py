@@ -192,23 +192,45 @@ def _row_tile(W, F, useF, P, usep, AI, Wq, codes, T, useT, E, er0, gr0, h, C0, S
                         zr[j] += coef * arow[j]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, inline="always")
+def _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
+                        tx, ty, s_tab, z_tab, gs, lo, hi, sym):
+    Sc = C1 - C0
+    r0 = R0 + a * tx
+    h = min(r0 + tx, R1) - r0
+    E = np.empty((h, Sc), W.dtype)
+    _row_tile(W, F, useF, E, False, AI, Wq, codes, T, useT, E, 0, r0, h, C0, Sc, ty,
+              s_tab, z_tab, gs, lo, hi, sym)
+    if writeE:
+        for i in range(h):
+            FE[r0 + i, C0:C1] = E[i]
+
+
+@njit(cache=True)
 def base_one_sided(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
                    s_tab, z_tab, gs, lo, hi, sym):
-    """One-sided block ``[R0, R1) x [C0, C1)``: every row is independent (prange over row
-    tiles); targets ``W + F + E A_I`` inside the block. With ``writeE`` the block's errors
-    are written to ``FE`` (which may be ``F`` itself: each row reads its F before)."""
-    Sc = C1 - C0
-    nrt = (R1 - R0 + tx - 1) // tx
-    for a in prange(nrt):
-        r0 = R0 + a * tx
-        h = min(r0 + tx, R1) - r0
-        E = np.empty((h, Sc), W.dtype)
-        _row_tile(W, F, useF, E, False, AI, Wq, codes, T, useT, E, 0, r0, h, C0, Sc, ty,
-                  s_tab, z_tab, gs, lo, hi, sym)
-        if writeE:
-            for i in range(h):
-                FE[r0 + i, C0:C1] = E[i]
+    """One-sided block ``[R0, R1) x [C0, C1)``: targets ``W + F + E A_I`` inside the block,
+    row tiles independent. With ``writeE`` the block's errors are written to ``FE`` (which
+    may be ``F`` itself: each row reads its F before). Serial (see ``base_one_sided_par``)."""
+    for a in range((R1 - R0 + tx - 1) // tx):
+        _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
+                            tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+
+
+@njit(cache=True, parallel=True)
+def base_one_sided_par(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
+                       s_tab, z_tab, gs, lo, hi, sym):
+    """``base_one_sided`` with the row tiles in parallel (prange): used for blocks with
+    enough work to amortise a parallel region on a shared machine (``PAR_MIN_WORK``)."""
+    for a in prange((R1 - R0 + tx - 1) // tx):
+        _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
+                            tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+
+
+#: one-sided blocks with at least this many multiply-adds (rows x cols^2 / 2) run their row
+#: tiles in parallel; smaller ones serially (a parallel region per small block costs more
+#: than it saves when the cores are shared).
+PAR_MIN_WORK = 1 << 26
 
 
 @njit(cache=True)
@@ -264,6 +286,9 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
             if two_sided:
                 base_two_sided(W, FE, True, AO, AI, Wq, codes, T, useT, FE, True,
                                r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+            elif (r1 - r0) * (c1 - c0) * (c1 - c0) >= 2 * PAR_MIN_WORK:
+                base_one_sided_par(W, FE, True, AI, Wq, codes, T, useT, FE, True,
+                                   r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
             else:
                 base_one_sided(W, FE, True, AI, Wq, codes, T, useT, FE, True,
                                r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)

@@ -115,8 +115,10 @@ def solve_block(p, ra: int, rb: int, ca: int, cb: int) -> None:
     useF = p.F is not None
     F = p.F if useF else g.dummy
     if g.AO is None:
-        K.base_one_sided(g.W, F, useF, g.AI, p.Wq, p.codes, g.T, g.useT, g.dummy, False,
-                         R0, R1, C0, C1, p.tx, p.ty, *g.quant())
+        base = K.base_one_sided_par if (R1 - R0) * (C1 - C0) ** 2 >= 2 * K.PAR_MIN_WORK else \
+            K.base_one_sided
+        base(g.W, F, useF, g.AI, p.Wq, p.codes, g.T, g.useT, g.dummy, False,
+             R0, R1, C0, C1, p.tx, p.ty, *g.quant())
     else:
         K.base_two_sided(g.W, F, useF, g.AO, g.AI, p.Wq, p.codes, g.T, g.useT, g.dummy, False,
                          R0, R1, C0, C1, p.tx, p.ty, *g.quant())
@@ -199,9 +201,11 @@ def solve(p, method: str, base: int, variant: str) -> bool:
             Y = np.empty((p.m, p.n), dtype=g.dtype)     # the accumulator G_O^T Ẽ
             K.antidiagonal_accumulator(g.W, F, useF, AO, g.AI, p.Wq, p.codes, g.T, g.useT, Y,
                                        p.tx, p.ty, *g.quant())
-        else:  # one-sided accumulator: the column sweep, all rows in parallel
-            K.base_one_sided(g.W, F, useF, g.AI, p.Wq, p.codes, g.T, g.useT, g.dummy, False,
-                             0, p.m, 0, p.n, p.tx, p.ty, *g.quant())
+        else:  # one-sided accumulator: the column sweep, row tiles in parallel if it pays
+            base = K.base_one_sided_par if p.m * p.n * p.n >= 2 * K.PAR_MIN_WORK else \
+                K.base_one_sided
+            base(g.W, F, useF, g.AI, p.Wq, p.codes, g.T, g.useT, g.dummy, False,
+                 0, p.m, 0, p.n, p.tx, p.ty, *g.quant())
         return True
     ops, scratch = plan(p, base)
     FE = np.array(F, copy=True) if useF else np.zeros((p.m, p.n), dtype=g.dtype)

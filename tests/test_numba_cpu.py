@@ -250,3 +250,17 @@ def test_recursive_extra_memory_within_budget(dtype, two_sided):
     finally:
         tracemalloc.stop()
     assert peak <= 2 * m * n * np.dtype(dtype).itemsize, peak / (m * n * np.dtype(dtype).itemsize)
+
+
+def test_parallel_one_sided_kernel(monkeypatch):
+    """The prange variant of the one-sided base block (used for large blocks) is exact too."""
+    K = nc._kernels()
+    W, f_in, _ = problem(4, 70, 45, 8, 4, two_sided=False)
+    q = bakron.UniformQuantizer.fit(W, 3, granularity="group", group_size=7)
+    ref = _reference(W, None, f_in.A, q, (8, 4))
+    monkeypatch.setattr(K, "PAR_MIN_WORK", 0)
+    r = bakron.solve(W, None, f_in.A, q, tile=(8, 4), method="antidiagonal", engine="numba")
+    np.testing.assert_array_equal(r.values, ref.values)
+    p = Problem(xnp, W, None, f_in.A, q, (8, 4))
+    solve_recursive(p, nc.solve_block, 3)
+    np.testing.assert_array_equal(p.Wq, ref.values)
