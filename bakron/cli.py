@@ -6,7 +6,8 @@ Exit codes (stable; scripts may rely on them):
 0    success
 1    ``quantize``: at least one layer failed (the others are written; the report says which)
 2    usage or validation error (bad option, missing/invalid input); nothing was written
-3    ``quantize``: the output folder exists and ``--force`` was not given; nothing was written
+3    ``quantize``: the output folder exists and ``--force`` was not given (with
+     ``--scheduler``/``--gpus``: another bakron driver holds OUT); nothing was written
 4    a part that the command needs is not available (an optional dependency, a demo model,
      ``bakron.bench``, a GPU for ``--device gpu``)
 5    ``quantize``: the output could not be written (I/O error such as a full disk); no
@@ -119,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="bakron", description="Fast two-sided second-order rounding for "
                 "post-training quantization.", epilog="Exit codes: 0 ok, 1 a layer failed, "
-                "2 usage/validation error, 3 output exists, 4 missing component, "
+                "2 usage/validation error, 3 output exists (with --scheduler/--gpus: OUT in use by "
+                "another bakron driver), 4 missing component, "
                 "5 output not written (I/O error), 130 interrupted.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="{demo,quantize,bench}", parser_class=_Parser)
@@ -171,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to compute (default cpu; auto uses a GPU when cupy sees one)")
     q.add_argument("--force", action="store_true", help="replace OUT if it exists")
     q.add_argument("--quiet", action="store_true", help="no progress or table")
+    q.add_argument("--scheduler", metavar="ADDRESS", default=None,
+                   help="one Dask task per layer on this scheduler (tcp://host:8786; workers "
+                        "must see the same paths); OUT is resumable (needs bakron[dask])")
+    q.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
+                   help="start a local Dask cluster with one worker per GPU (the first N "
+                        "visible); OUT is resumable (needs bakron[dask])")
     q.set_defaults(func=_cmd_quantize)
 
     b = sub.add_parser("bench", help="benchmark methods x sizes on this machine (forwards "
@@ -335,10 +343,28 @@ def _quantize_one(args, xp, tensors, info) -> tuple[dict, dict]:
     return arrays, entry
 
 
+def _cmd_quantize_distributed(args) -> int:
+    from .distributed import quantize_folder
+
+    if args.format != "safetensors":
+        raise UsageError("--scheduler/--gpus write safetensors layer files; drop --format npz")
+    if args.force:
+        raise UsageError("--scheduler/--gpus resume an existing OUT instead of replacing it; "
+                         "delete OUT yourself to start over")
+    return quantize_folder(
+        args.input, args.out, scheduler=args.scheduler, gpus=args.gpus or 0, quiet=args.quiet,
+        bits=args.bits, tile=args.tile, method=args.method, engine=args.engine, damp=args.damp,
+        symmetric=not args.asym, granularity=args.scale, group_size=args.group_size,
+        scale_method=args.scale_method, one_sided=args.one_sided,
+        device="gpu" if args.gpus and args.device == "cpu" else args.device)
+
+
 def _cmd_quantize(args) -> int:
     from . import io
 
     _check_options(args)
+    if args.scheduler or args.gpus:
+        return _cmd_quantize_distributed(args)
     try:
         files = io.find_layer_files(args.input)
         io.check_output_path(args.out, [p for _, p in files])

@@ -414,3 +414,15 @@ def test_python_dash_m(layers, tmp_path):
     p = subprocess.run([sys.executable, "-m", "bakron", "quantize", str(layers / "fc1.npz"),
                         "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 3 and "already exists" in p.stderr
+
+
+def test_quantize_with_local_gpu_flag_refuses_npz_and_force(tmp_path):
+    from bakron.cli import main
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "l.npz", W=rng.standard_normal((8, 8)), H_in=np.eye(8))
+    assert main(["quantize", str(tmp_path / "l.npz"), "--out", str(tmp_path / "o"),
+                 "--gpus", "1", "--format", "npz"]) == 2
+    assert main(["quantize", str(tmp_path / "l.npz"), "--out", str(tmp_path / "o"),
+                 "--scheduler", "tcp://127.0.0.1:1", "--force"]) == 2
+    assert not (tmp_path / "o").exists()
