@@ -7,19 +7,28 @@ Conventions
   written with the same floating-point operations as its array-API code (``t / s``, round
   half to even, clip, ``s * c`` or ``s * (c - z)``) in the arrays' own dtype, so that a
   given target rounds bit-identically. No fastmath anywhere.
-* BLAS: the feedback products call the ``?gemm`` that numba itself binds to SciPy's
-  ``cython_blas`` (``numba_xxgemm`` of numba's helper library), with leading dimensions, so
-  that products accumulate in place into sub-blocks (``beta = 1``) without temporaries.
+* BLAS: the feedback products call ``cblas_?gemm`` (row-major, with leading dimensions, so
+  that products accumulate in place into sub-blocks, ``beta = 1``, without temporaries) of
+  the BLAS that numpy itself uses when that is the OpenBLAS of numpy's wheels: one thread
+  pool for the solver and the caller's numpy code (two OpenBLAS pools in one process make
+  their idle workers spin against each other on a 2-core machine). Otherwise an adapter to
+  the ``?gemm`` that numba binds to SciPy's ``cython_blas``. Either is registered under a
+  fixed symbol name before any kernel is linked, so the on-disk cache stays valid.
 """
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
+
 import numpy as np
-from numba import njit, prange, types
+from llvmlite import binding as _llvm
+from numba import cfunc, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 # int numba_xxgemm(kind, transa, transb, m, n, k, *alpha, *a, lda, *b, ldb, *beta, *c, ldc)
-# (column-major, like BLAS); resolved by name in numba's helper library, so caching is safe.
+# (column-major, like BLAS); resolved by name in numba's helper library.
 _xxgemm = types.ExternalFunction("numba_xxgemm", types.intc(
     types.char, types.char, types.char, types.intp, types.intp, types.intp,
     types.voidptr, types.voidptr, types.intp, types.voidptr, types.intp,
@@ -38,6 +47,62 @@ def _vptr(typingctx, arr, offset):
     return sig, codegen
 
 
+def _cblas_sig(ft):
+    # void cblas_?gemm(order, transa, transb, M, N, K, alpha, *A, lda, *B, ldb, beta, *C, ldc)
+    i32, i64, vp = types.int32, types.int64, types.voidptr
+    return types.void(i32, i32, i32, i64, i64, i64, ft, vp, i64, vp, i64, ft, vp, i64)
+
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+
+
+def _numpy_cblas():
+    """Addresses of ``cblas_sgemm``/``cblas_dgemm`` (64-bit integers) of the OpenBLAS that
+    numpy's wheels ship and use, or None when numpy uses another BLAS."""
+    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas64_*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)  # already loaded by numpy: the same library and pool
+            return tuple(ctypes.cast(getattr(lib, f"scipy_cblas_{k}gemm64_"),
+                                     ctypes.c_void_p).value for k in "sd")
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def _adapter(kind):
+    """A C-callable ``cblas_?gemm`` (row-major, 64-bit ints) over numba's SciPy BLAS."""
+    ft, dt, code = (types.float32, np.float32, 115) if kind == "s" else \
+        (types.float64, np.float64, 100)
+
+    @cfunc(_cblas_sig(ft), cache=True)
+    def adapter(order, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
+        ab = np.empty(2, dt)
+        ab[0] = alpha
+        ab[1] = beta
+        tA = np.int8(116) if ta == _TRANS else np.int8(110)
+        tB = np.int8(116) if tb == _TRANS else np.int8(110)
+        # row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T
+        _xxgemm(np.int8(code), tB, tA, n, m, k, _vptr(ab, 0), B, ldb, A, lda, _vptr(ab, 1),
+                C, ldc)
+
+    return adapter
+
+
+_NUMPY_CBLAS = _numpy_cblas()
+if _NUMPY_CBLAS is not None:
+    BLAS = "numpy's OpenBLAS (cblas, ILP64)"
+    _llvm.add_symbol("bakron_cblas_sgemm", _NUMPY_CBLAS[0])
+    _llvm.add_symbol("bakron_cblas_dgemm", _NUMPY_CBLAS[1])
+else:  # pragma: no cover - numpy with another BLAS
+    BLAS = "SciPy's cython_blas (through numba)"
+    _ADAPTERS = (_adapter("s"), _adapter("d"))  # kept alive: their code must stay mapped
+    _llvm.add_symbol("bakron_cblas_sgemm", _ADAPTERS[0].address)
+    _llvm.add_symbol("bakron_cblas_dgemm", _ADAPTERS[1].address)
+_sgemm = types.ExternalFunction("bakron_cblas_sgemm", _cblas_sig(types.float32))
+_dgemm = types.ExternalFunction("bakron_cblas_dgemm", _cblas_sig(types.float64))
+
+
 @njit(cache=True)
 def gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
     """Row-major ``C[m x n] = beta * C + op(A) @ op(B)`` on flat offsets/leading dimensions.
@@ -53,17 +118,40 @@ def gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
                 for j in range(n):
                     Cf[oc + i * ldc + j] = 0.0
         return
-    ab = np.empty(2, C.dtype)
-    ab[0] = 1.0
-    ab[1] = beta
-    kind = np.int8(115) if C.itemsize == 4 else np.int8(100)          # 's' / 'd'
-    tA = np.int8(116) if ta else np.int8(110)                          # 't' / 'n'
-    tB = np.int8(116) if tb else np.int8(110)
-    # row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T
-    r = _xxgemm(kind, tB, tA, n, m, k, _vptr(ab, 0), _vptr(B, ob), ldb, _vptr(A, oa), lda,
-                _vptr(ab, 1), _vptr(C, oc), ldc)
-    if r != 0:
-        raise RuntimeError("BLAS gemm is not available (scipy.linalg.cython_blas)")
+    tA = np.int32(_TRANS) if ta else np.int32(_NO_TRANS)
+    tB = np.int32(_TRANS) if tb else np.int32(_NO_TRANS)
+    if C.itemsize == 4:
+        _sgemm(np.int32(_ROW_MAJOR), tA, tB, m, n, k, np.float32(1.0), _vptr(A, oa), lda,
+               _vptr(B, ob), ldb, np.float32(beta), _vptr(C, oc), ldc)
+    else:
+        _dgemm(np.int32(_ROW_MAJOR), tA, tB, m, n, k, 1.0, _vptr(A, oa), lda,
+               _vptr(B, ob), ldb, np.float64(beta), _vptr(C, oc), ldc)
+
+
+#: OpenBLAS runs a GEMM on one thread when m n k <= 65536 * 4 (its SMP threshold); the
+#: small products of the base blocks and of the anti-diagonal tiles are split along k
+#: below that, so that they never hand off to BLAS threads (hundreds of tiny multi-threaded
+#: calls cost a thread wake-up each, and a scheduler time slice each when the cores are
+#: shared).
+SERIAL_MNK = 1 << 18
+
+
+@njit(cache=True)
+def gemm_serial(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
+    """``gemm`` split along ``k`` into products that BLAS runs single-threaded."""
+    kc = max(1, SERIAL_MNK // max(1, m * n))
+    if k <= kc:
+        gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta)
+        return
+    k0 = 0
+    while k0 < k:
+        k1 = min(k0 + kc, k)
+        # op(A)[:, k0:k1] and op(B)[k0:k1, :]
+        da = k0 * lda if ta else k0
+        db = k0 if tb else k0 * ldb
+        gemm(C, oc, ldc, A, oa + da, lda, ta, B, ob + db, ldb, tb, m, n, k1 - k0,
+             beta if k0 == 0 else 1.0)
+        k0 = k1
 
 
 @njit(cache=True)
@@ -255,8 +343,8 @@ def base_two_sided(W, F, useF, AO, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C
         r1 = min(r0 + tx, Sr)
         h = r1 - r0
         # P[h x Sc] = A_O[R0+r1:R1, R0+r0:R0+r1]^T @ E[r1:Sr, :]
-        gemm(P, 0, Sc, AO, (R0 + r1) * m + R0 + r0, m, True, E, r1 * Sc, Sc, False,
-             h, Sc, Sr - r1, 0.0)
+        gemm_serial(P, 0, Sc, AO, (R0 + r1) * m + R0 + r0, m, True, E, r1 * Sc, Sc, False,
+                    h, Sc, Sr - r1, 0.0)
         _row_tile(W, F, useF, P, True, AI, Wq, codes, T, useT, E, r0, R0 + r0, h, C0, Sc, ty,
                   s_tab, z_tab, gs, lo, hi, sym)
         if writeE:
@@ -358,7 +446,8 @@ def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
             base = W[r0 + i, c0 + j] + F[r0 + i, c0 + j] if useF else W[r0 + i, c0 + j]
             Tt[i * w + j] = base + Y[r0 + i, c0 + j]
     # T += Y[rows a, c1:] A_I[c1:, cols b]   (G_I's diagonal block is I: Y[a, b] above)
-    gemm(Tt, 0, w, Y, r0 * n + c1, n, False, AI, c1 * n + c0, n, False, h, w, n - c1, 1.0)
+    gemm_serial(Tt, 0, w, Y, r0 * n + c1, n, False, AI, c1 * n + c0, n, False, h, w, n - c1,
+                1.0)
     for i in range(h):
         for j in range(w):
             t = Tt[i * w + j]
@@ -371,7 +460,7 @@ def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
             Et[i * w + j] = e
             Y[r0 + i, c0 + j] += e
     # Y[:r0, cols b] += A_O[rows a, :r0]^T E_ab
-    gemm(Y, c0, n, AO, r0 * m, m, True, Et, 0, w, False, r0, w, h, 1.0)
+    gemm_serial(Y, c0, n, AO, r0 * m, m, True, Et, 0, w, False, r0, w, h, 1.0)
 
 
 @njit(cache=True)

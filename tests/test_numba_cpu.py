@@ -264,3 +264,30 @@ def test_parallel_one_sided_kernel(monkeypatch):
     p = Problem(xnp, W, None, f_in.A, q, (8, 4))
     solve_recursive(p, nc.solve_block, 3)
     np.testing.assert_array_equal(p.Wq, ref.values)
+
+
+@pytest.mark.parametrize("kind,dtype", [("s", np.float32), ("d", np.float64)])
+def test_blas_adapter(kind, dtype):
+    """The cblas adapter over SciPy's BLAS (used when numpy's BLAS is not the OpenBLAS of
+    numpy's wheels) computes row-major C = beta C + op(A) op(B) on sub-blocks."""
+    import ctypes
+
+    K = nc._kernels()
+    f = K._adapter(kind)
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((7, 9)).astype(dtype)
+    B = rng.standard_normal((9, 11)).astype(dtype)
+    C = rng.standard_normal((6, 12)).astype(dtype)
+    C0 = C.copy()
+    ptr = lambda X, off: ctypes.c_void_p(X.ctypes.data + off * X.itemsize)  # noqa: E731
+    # C[1:6, 2:10] = 0.5 C + A[1:6, 0:4] @ B[3:7, 1:9], then with op(A) = A[0:4, 2:7]^T
+    f.ctypes(101, 111, 111, 5, 8, 4, 1.0, ptr(A, 9), 9, ptr(B, 3 * 11 + 1), 11, 0.5,
+             ptr(C, 12 + 2), 12)
+    ref = 0.5 * C0[1:6, 2:10] + A[1:6, 0:4] @ B[3:7, 1:9]
+    np.testing.assert_allclose(C[1:6, 2:10], ref, rtol=1e-5)
+    C1 = C.copy()
+    f.ctypes(101, 112, 111, 5, 8, 4, 1.0, ptr(A, 2), 9, ptr(B, 3 * 11 + 1), 11, 1.0,
+             ptr(C, 12 + 2), 12)
+    np.testing.assert_allclose(C[1:6, 2:10], C1[1:6, 2:10] + A[0:4, 2:7].T @ B[3:7, 1:9],
+                               rtol=1e-5)
+    assert np.array_equal(C[0], C0[0]) and np.array_equal(C[:, :2], C0[:, :2])
