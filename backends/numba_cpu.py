@@ -221,10 +221,22 @@ def auto_base(p) -> int:
     return max(1, int(round(BASE_ELEMENTS / float(np.sqrt(p.tx * p.ty)))))
 
 
+#: ``method="auto"`` takes the anti-diagonal accumulator for two-sided problems with tiles of
+#: at least this many elements and at most ``ANTIDIAGONAL_MAX_WORK`` = m n (m + n); the
+#: recursion otherwise. Measured: docs/engines.md.
+ANTIDIAGONAL_MIN_TILE = 256
+ANTIDIAGONAL_MAX_WORK = 2 * 512 ** 3
+
+
 def auto_method(p, base: int) -> str:
-    """``method="auto"`` on this engine: always the recursion (a problem of at most one
-    base block is solved by one base-block kernel, which beats the anti-diagonal kernels
-    at every size measured; docs/engines.md)."""
+    """``method="auto"`` on this engine (measurements in docs/engines.md): the serial
+    accumulator wavefront (one small BLAS product per tile and step) is as fast as or faster
+    than the recursion up to about 512 x 512 with 16 x 16 tiles, and slower for smaller tiles
+    (per-tile overhead) or larger matrices (its products cannot use the second core); the
+    recursion everywhere else, and always one-sided."""
+    if (p.two_sided and p.tx * p.ty >= ANTIDIAGONAL_MIN_TILE
+            and p.m * p.n * (p.m + p.n) <= ANTIDIAGONAL_MAX_WORK):
+        return "antidiagonal"
     return "recursive"
 
 
