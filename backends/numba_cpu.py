@@ -33,7 +33,7 @@ __all__ = ["available", "supports", "solve_block", "solve", "auto_base", "auto_m
 
 #: Panel width (elements) of the triangular products: the zero triangle of a unit-triangular
 #: block is skipped except inside the diagonal panels. Measured: see docs/engines.md.
-PANEL = 128
+PANEL = 64
 
 #: Side of the base block in elements that ``auto_base`` aims at. Measured: docs/engines.md.
 BASE_ELEMENTS = 128

@@ -103,10 +103,14 @@ def _machine() -> str:
                     break
     except OSError:
         pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
+    from bakron.backends import _numba_kernels
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),)
+    blas_threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
     return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, numpy "
-            f"{np.__version__}, numba {numba.__version__}; load average at start "
-            f"{load[0]:.1f}")
+            f"{np.__version__}, numba {numba.__version__} ({numba.get_num_threads()} threads), "
+            f"BLAS: {_numba_kernels.BLAS}, OPENBLAS_NUM_THREADS={blas_threads}; load average "
+            f"at start {load[0]:.1f}")
 
 
 def _fit_slope(sizes, times):

@@ -291,3 +291,20 @@ def test_blas_adapter(kind, dtype):
     np.testing.assert_allclose(C[1:6, 2:10], C1[1:6, 2:10] + A[0:4, 2:7].T @ B[3:7, 1:9],
                                rtol=1e-5)
     assert np.array_equal(C[0], C0[0]) and np.array_equal(C[:, :2], C0[:, :2])
+
+
+def test_bench_smoke_and_gptq_equivalence(tmp_path):
+    """bakron.bench writes its table and plot; the classic GPTQ loop it compares against
+    solves the same problem as the one-sided solver (float64: identical Ŵ)."""
+    from bakron import bench
+
+    P = bench.make_problem(40, 48, (16, 16), np.float64, seed=3)
+    q = bakron.UniformQuantizer.fit(P["W"], 3)
+    U = np.linalg.cholesky(np.linalg.inv(P["H_in"][::-1, ::-1])).T
+    theirs = bench.gptq_loop(P["W"][:, ::-1], U, q, block=16)[:, ::-1]
+    ours = bakron.solve(P["W"], None, P["A_in1"], q, tile=(16, 1), engine="numba").values
+    np.testing.assert_array_equal(ours, theirs)
+    assert bench.main(["--sizes", "32,64", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "cpu.md").read_text()
+    assert "| 32 |" in md and "| 64 |" in md and "python -m bakron.bench" in md
+    assert (tmp_path / "cpu.png").stat().st_size > 1000
