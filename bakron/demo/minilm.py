@@ -10,8 +10,8 @@ pass of :mod:`bakron.models.minilm`) at each bit width with
   output factors for the value, attention-output and feed-forward projections
 
 (the factor kinds are documented in :mod:`bakron.models.collect` and ``docs/minilm.md``).
-Every method uses the same grid: symmetric, per-row scales fitted to W (min/max rule, no
-clipping). All factors
+Every method uses the same grid: asymmetric, per-row scales and zero points fitted to W (min/max
+rule, no clipping). All factors
 come from one fp32 calibration pass over sentences of the Python Language Reference
 (``pydoc_data``), and all layers are quantized from the original model's statistics
 ("parallel", not sequential GPTQ). Quality is measured against the fp32 model on held-out
@@ -136,25 +136,33 @@ def _warm_up(xp, tile):
 
     ``tile=None`` picks the tile: ``(1, 1)`` — exact element-by-element LDLQ, the rule for a
     scalar grid — when a compiled engine (numba on the CPU, CUDA on the GPU) runs it, else
-    ``(16, 16)`` (the array-API engine pays Python overhead per tile). Returns the tile and
-    the engine name.
+    ``(16, 16)`` (the array-API engine pays Python overhead per tile). A compiled engine that
+    fails here (e.g. a numba build that does not match the installed numpy) is replaced by the
+    array-API engine for the whole run. Returns ``(tile, engine used, engine argument, note)``.
     """
     from .. import UniformQuantizer, _xp, prepare_factor, solve
 
     W = xp.asarray(np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64))
     q = UniformQuantizer.fit(W, 2)
-    engine = None
-    for t in ([tile] if tile is not None else [(1, 1)]):
+
+    def probe(t, engine):
         Ai = xp.astype(prepare_factor(xp.eye(64, dtype=xp.float64), t[1]).A, xp.float32)
         Ao = xp.astype(prepare_factor(xp.eye(64, dtype=xp.float64), t[0]).A, xp.float32)
-        solve(W, None, Ai, q, tile=t)
-        engine = solve(W, Ao, Ai, q, tile=t).engine
-    _xp.sync(xp)
+        solve(W, None, Ai, q, tile=t, engine=engine)
+        used = solve(W, Ao, Ai, q, tile=t, engine=engine).engine
+        _xp.sync(xp)
+        return used
+
+    engine_arg, note = "auto", None
+    try:
+        used = probe(tile or (1, 1), "auto")
+    except Exception as exc:  # noqa: BLE001 - a broken compiled engine, not bad input
+        engine_arg = "array_api"
+        note = f"compiled engine failed ({type(exc).__name__}: {exc}); array-API engine used"
+        used = probe(tile or (16, 16), engine_arg)
     if tile is None:
-        tile = (1, 1) if engine != "array_api" else (16, 16)
-        if tile != (1, 1):
-            return _warm_up(xp, tile)
-    return tile, engine
+        tile = (1, 1) if used != "array_api" else (16, 16)
+    return tile, used, engine_arg, note
 
 
 class _Clock:
@@ -182,7 +190,8 @@ def _one_minus_cos(E, ref) -> np.ndarray:
 def run(out_dir="bakron-demo-minilm", *, device: str = "auto", bits=(2, 3, 4),
         quick: bool = False, progress: bool = True, methods=tuple(METHODS), layers=None,
         n_calibration: int | None = None, n_heldout: int | None = None, lee: bool | None = None,
-        tile=None, damp: float = 0.01, scale: str = "minmax", group_size: int | None = None,
+        tile=None, damp: float = 0.01, symmetric: bool = False, scale: str = "minmax",
+        group_size: int | None = None,
         batch_size: int = 32, cache=None, wheel=None, seed: int = 0,
         blas_threads: int | None = 1) -> dict:
     """Quantize MiniLM-L6's linear layers and write a report (the default ``bakron demo``).
@@ -197,7 +206,7 @@ def run(out_dir="bakron-demo-minilm", *, device: str = "auto", bits=(2, 3, 4),
         ``auto`` runs everything (forward passes, factors, solvers) on the GPU with cupy when
         cupy sees one, else numpy on the CPU.
     bits : sequence of int
-        Bit widths (2..8) of the symmetric per-row grid.
+        Bit widths (2..8) of the grid.
     quick : bool
         The test variant: the linear layers :data:`QUICK_LAYERS`, 32 calibration and 32
         held-out sentences, no Lee corpus (each overridable by the arguments below).
@@ -220,6 +229,10 @@ def run(out_dir="bakron-demo-minilm", *, device: str = "auto", bits=(2, 3, 4),
         engine runs it (numba on the CPU, the CUDA kernels on the GPU), else ``(16, 16)``.
     damp : float
         Relative damping of every factor.
+    symmetric : bool
+        Symmetric codes ``[-2^(b-1), 2^(b-1)-1]`` or, by default, asymmetric codes
+        ``[0, 2^b - 1]`` with a zero point (at equal bits the asymmetric min/max grid has no
+        unused level; measured better for every method at 3 and 4 bits).
     scale : {"minmax", "rms"}
         How the grid's scales are fitted to W (see :meth:`bakron.UniformQuantizer.fit`):
         ``minmax`` covers each row (or group) without clipping; ``rms`` clips outliers, and
@@ -250,7 +263,8 @@ def run(out_dir="bakron-demo-minilm", *, device: str = "auto", bits=(2, 3, 4),
     with _blas_limit(blas_threads) as blas:
         return _run(out_dir, blas=blas, device=device, bits=bits, quick=quick, progress=progress,
                     methods=methods, layers=layers, n_calibration=n_calibration,
-                    n_heldout=n_heldout, lee=lee, tile=tile, damp=damp, scale=scale,
+                    n_heldout=n_heldout, lee=lee, tile=tile, damp=damp, symmetric=symmetric,
+                    scale=scale,
                     group_size=group_size, batch_size=batch_size, cache=cache, wheel=wheel,
                     seed=seed)
 
@@ -267,7 +281,7 @@ def _blas_limit(threads):
         from threadpoolctl import threadpool_limits
         try:  # load scipy's own BLAS now (numba's compiled code calls it) so it is limited too
             import scipy.linalg  # noqa: F401
-        except ImportError:
+        except Exception:  # noqa: BLE001 - a missing or broken scipy only loses the limit
             pass
     except ImportError:
         yield "library default (threadpoolctl is not installed)"
@@ -277,7 +291,7 @@ def _blas_limit(threads):
 
 
 def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_calibration, n_heldout,
-         lee, tile, damp, scale, group_size, batch_size, cache, wheel, seed) -> dict:
+         lee, tile, damp, symmetric, scale, group_size, batch_size, cache, wheel, seed) -> dict:
     from .. import UniformQuantizer, __version__, _xp, solve
     from .. import io as bio
     from ..models.bert import LINEAR_KINDS, linear_name
@@ -358,8 +372,10 @@ def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_cal
 
     # -- quantization ---------------------------------------------------------------------------
     clock.start()
-    tile, engine = _warm_up(xp, tile)
+    tile, engine, engine_arg, engine_note = _warm_up(xp, tile)
     clock.stop("warm_up")
+    if engine_note:
+        _log(progress, f"      {engine_note}")
     solvers = [m for m in methods if m != "rtn"]
     _log(progress, f"[4/5] quantizing {len(names)} linear layers at {'/'.join(map(str, bits))} "
                    f"bits: {', '.join(methods)} (tile {tile[0]}x{tile[1]}) ...")
@@ -383,8 +399,9 @@ def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_cal
             row["factor_seconds"][meth] = ti + to
             row["damp"][meth] = {"in": di, "out": do}
         for b in bits:
-            qz = UniformQuantizer.fit(W, b, granularity="row" if group_size is None else "group",
-                                      group_size=group_size, method=scale)
+            qz = UniformQuantizer.fit(W, b, symmetric=symmetric, method=scale,
+                                      granularity="row" if group_size is None else "group",
+                                      group_size=group_size)
             tq = time.perf_counter()
             rtn = qz.rtn(W)[0]
             _xp.sync(xp)
@@ -404,7 +421,7 @@ def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_cal
                     else:
                         A_in = _prepare(fcache, Hi, tile[1], damp)[0]
                         A_out = _prepare(fcache, Ho, tile[0], damp)[0]
-                        res = solve(W, A_out, A_in, qz, tile=tile)
+                        res = solve(W, A_out, A_in, qz, tile=tile, engine=engine_arg)
                         values = res.values
                         info = {"seconds_solve": res.seconds, "method": res.method,
                                 "engine": res.engine}
@@ -452,8 +469,9 @@ def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_cal
 
     res = {
         "model": "minilm", "device": dev, "bits": list(bits), "methods": list(methods),
-        "quick": quick, "tile": list(tile), "engine": engine, "damp": damp,
-        "grid": {"symmetric": True, "scale": scale, "group_size": group_size},
+        "quick": quick, "tile": list(tile), "engine": engine, "engine_note": engine_note,
+        "damp": damp,
+        "grid": {"symmetric": bool(symmetric), "scale": scale, "group_size": group_size},
         "command": "bakron demo" + (" --quick" if quick else ""),
         "versions": {"bakron": __version__, "numpy": np.__version__,
                      "python": platform.python_version(), "machine": platform.machine(),
@@ -522,16 +540,20 @@ def _findings(res) -> list[str]:
     for b in res["bits"]:
         ranked = sorted((e for e in res["summary"] if e["bits"] == b),
                         key=lambda e: e["one_minus_cos"])
-        s = f"- {b} bits, held-out 1−cos: " + " < ".join(
+        s = f"- **{b} bits**, held-out 1−cos (lower is better): " + " < ".join(
             f"{e['method']} ({e['one_minus_cos']:.2e})" for e in ranked) + "."
         if "ldlq" in res["methods"]:
             for m in two:
                 r = by[(b, m)]["one_minus_cos"] / by[(b, "ldlq")]["one_minus_cos"]
-                s += (f" {m} vs LDLQ: ×{r:.2f} ({'better' if r < 1 else 'worse'}).")
+                s += f" {m} ÷ LDLQ = {r:.2f} ({'better' if r < 1 else 'worse'})."
+        if ranked[0]["one_minus_cos"] > 0.5:
+            s += " Every method destroys the embeddings at this width."
         if res["fp32"]["lee"] is not None:
-            best = max((e for e in res["summary"] if e["bits"] == b),
-                       key=lambda e: e["lee"]["pearson"])
-            s += f" Best Lee Pearson: {best['method']} ({best['lee']['pearson']:.4f})."
+            lee = sorted((e for e in res["summary"] if e["bits"] == b),
+                         key=lambda e: -e["lee"]["pearson"])
+            s += (" Lee Pearson (higher is better, fp32 "
+                  f"{res['fp32']['lee']['pearson']:.4f}): "
+                  + " > ".join(f"{e['method']} ({e['lee']['pearson']:.4f})" for e in lee) + ".")
         lines.append(s)
     return lines
 
@@ -580,10 +602,12 @@ def _markdown(res: dict) -> str:
         + (f", BLAS threads: {v['blas_threads']}" if v.get("blas_threads") else "") + ").",
         "",
         f"{len(res['layers_quantized'])} linear layers quantized at "
-        f"{', '.join(map(str, res['bits']))} bits (symmetric grid, "
+        f"{', '.join(map(str, res['bits']))} bits "
+        f"({'symmetric' if res['grid']['symmetric'] else 'asymmetric'} grid, "
         f"{'per-row' if res['grid']['group_size'] is None else 'per-group (%d)' % res['grid']['group_size']} "
         f"scales fitted to W by the {res['grid']['scale']} rule, the same grid for every "
-        f"method), tile {res['tile'][0]}×{res['tile'][1]} (engine {res['engine']}), "
+        f"method), tile {res['tile'][0]}×{res['tile'][1]} (engine {res['engine']}"
+        + (f"; {res['engine_note']}" if res.get("engine_note") else "") + "), "
         f"damping {res['damp']}. Factors from one fp32 calibration pass over "
         f"{d['calibration_sentences']} sentences ({d['calibration_tokens']} tokens) of the Python "
         f"Language Reference (`pydoc_data`); every layer is quantized from the original model's "
@@ -602,7 +626,8 @@ def _markdown(res: dict) -> str:
         "",
         _md_table(_summary_rows(res)),
         "",
-        "![quality](minilm_quality.png)",
+        "![quality](minilm_quality.png)" if res.get("figures") == "written"
+        else f"(figures {res.get('figures')})",
         "",
         "### What the numbers say",
         "",
@@ -617,7 +642,7 @@ def _markdown(res: dict) -> str:
     ]
     for b in res["bits"]:
         lines += [f"### {b} bits", "", _layer_table(res, b), ""]
-    lines += ["![proxy](minilm_proxy.png)", "",
+    lines += ["![proxy](minilm_proxy.png)" if res.get("figures") == "written" else "", "",
               "## Time per layer and method", "",
               "Factor preparation (normalise, damp, block LDL; once per layer and factor) and the "
               "mean solve time per bit width. `(= m)`: same factors as method m, result reused.",
@@ -696,12 +721,18 @@ def _plots(res) -> tuple[bytes, bytes]:
 
 
 def _write(out: Path, res) -> list[Path]:
+    """Write the PNGs (when matplotlib works here), the report; the caller writes the JSON."""
     from .. import io as bio
 
-    q_png, p_png = _plots(res)
-    files = [out / "minilm_report.md", out / "minilm_quality.png", out / "minilm_proxy.png",
-             out / "minilm_results.json"]
-    bio.atomic_write_bytes(files[1], q_png)
-    bio.atomic_write_bytes(files[2], p_png)
+    files = [out / "minilm_report.md"]
+    try:
+        q_png, p_png = _plots(res)
+    except Exception as exc:  # no or a broken matplotlib: the numbers matter more
+        res["figures"] = f"not written ({type(exc).__name__}: {exc})"
+    else:
+        res["figures"] = "written"
+        bio.atomic_write_bytes(out / "minilm_quality.png", q_png)
+        bio.atomic_write_bytes(out / "minilm_proxy.png", p_png)
+        files += [out / "minilm_quality.png", out / "minilm_proxy.png"]
     bio.atomic_write_text(files[0], _markdown(res))
-    return files
+    return files + [out / "minilm_results.json"]
