@@ -59,8 +59,8 @@ class Problem:
         self.dtype = W.dtype
         self.device = _xp.device(W)
         self.m, self.n = W.shape
-        self.A_O = None if A_O is None else xp.astype(A_O, W.dtype)
-        self.A_I = xp.astype(A_I, W.dtype)
+        self.A_O = None if A_O is None else xp.astype(A_O, W.dtype, copy=False)
+        self.A_I = xp.astype(A_I, W.dtype, copy=False)
         self.tx, self.ty = tile
         self.rows = tile_edges(self.m, self.tx)
         self.cols = tile_edges(self.n, self.ty)
