@@ -104,11 +104,8 @@ _dgemm = types.ExternalFunction("bakron_cblas_dgemm", _cblas_sig(types.float64))
 
 
 @njit(cache=True)
-def gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
-    """Row-major ``C[m x n] = beta * C + op(A) @ op(B)`` on flat offsets/leading dimensions.
-
-    ``op(A)`` is ``m x k`` (``A`` stored ``k x m`` when ``ta``), ``op(B)`` is ``k x n``.
-    """
+def _blas(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
+    """One BLAS call: row-major ``C[m x n] = beta * C + op(A) @ op(B)``."""
     if m == 0 or n == 0:
         return
     if k == 0:
@@ -128,30 +125,60 @@ def gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
                _vptr(B, ob), ldb, np.float64(beta), _vptr(C, oc), ldc)
 
 
-#: OpenBLAS runs a GEMM on one thread when m n k <= 65536 * 4 (its SMP threshold); the
-#: small products of the base blocks and of the anti-diagonal tiles are split along k
-#: below that, so that they never hand off to BLAS threads (hundreds of tiny multi-threaded
-#: calls cost a thread wake-up each, and a scheduler time slice each when the cores are
-#: shared).
+#: OpenBLAS runs a GEMM on one thread when m n k <= 65536 * 4 (its SMP threshold).
 SERIAL_MNK = 1 << 18
+#: Products with fewer multiply-adds than this (well under a millisecond on one core) are
+#: split into pieces below ``SERIAL_MNK`` so that BLAS runs them on the calling thread: on a
+#: machine whose other cores are busy, every multi-threaded BLAS call can wait a scheduler
+#: time slice for its helper thread, and the recursion makes hundreds of small calls.
+PARALLEL_MNK = 1 << 25
+
+
+@njit(cache=True)
+def _gemm_k(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
+    """``_blas`` split along ``k`` into single-threaded pieces."""
+    kc = max(1, SERIAL_MNK // max(1, m * n))
+    k0 = 0
+    while k0 < k or k0 == 0:
+        k1 = min(k0 + kc, k)
+        da = k0 * lda if ta else k0              # op(A)[:, k0:k1]
+        db = k0 if tb else k0 * ldb              # op(B)[k0:k1, :]
+        _blas(C, oc, ldc, A, oa + da, lda, ta, B, ob + db, ldb, tb, m, n, k1 - k0,
+              beta if k0 == 0 else 1.0)
+        k0 = k1
+        if k == 0:
+            break
 
 
 @njit(cache=True)
 def gemm_serial(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
-    """``gemm`` split along ``k`` into products that BLAS runs single-threaded."""
-    kc = max(1, SERIAL_MNK // max(1, m * n))
-    if k <= kc:
-        gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta)
-        return
-    k0 = 0
-    while k0 < k:
-        k1 = min(k0 + kc, k)
-        # op(A)[:, k0:k1] and op(B)[k0:k1, :]
-        da = k0 * lda if ta else k0
-        db = k0 if tb else k0 * ldb
-        gemm(C, oc, ldc, A, oa + da, lda, ta, B, ob + db, ldb, tb, m, n, k1 - k0,
-             beta if k0 == 0 else 1.0)
-        k0 = k1
+    """``gemm`` in pieces that BLAS runs single-threaded (rows or columns of C first)."""
+    if m * n * k <= SERIAL_MNK:
+        _blas(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta)
+    elif m >= n:
+        mc = max(1, SERIAL_MNK // max(1, n * k))
+        for i0 in range(0, m, mc):
+            i1 = min(i0 + mc, m)
+            da = i0 if ta else i0 * lda          # rows i0:i1 of op(A)
+            _gemm_k(C, oc + i0 * ldc, ldc, A, oa + da, lda, ta, B, ob, ldb, tb,
+                    i1 - i0, n, k, beta)
+    else:
+        nc = max(1, SERIAL_MNK // max(1, m * k))
+        for j0 in range(0, n, nc):
+            j1 = min(j0 + nc, n)
+            db = j0 * ldb if tb else j0          # columns j0:j1 of op(B)
+            _gemm_k(C, oc + j0, ldc, A, oa, lda, ta, B, ob + db, ldb, tb, m, j1 - j0, k, beta)
+
+
+@njit(cache=True)
+def gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
+    """Row-major ``C[m x n] = beta * C + op(A) @ op(B)`` on flat offsets/leading dimensions
+    (``op(A)`` is ``m x k``, ``A`` stored ``k x m`` when ``ta``; ``op(B)`` is ``k x n``).
+    Multi-threaded BLAS only for products of at least ``PARALLEL_MNK`` multiply-adds."""
+    if m * n * k >= PARALLEL_MNK:
+        _blas(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta)
+    else:
+        gemm_serial(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta)
 
 
 @njit(cache=True)

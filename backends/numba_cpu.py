@@ -74,7 +74,8 @@ def supports(p) -> bool:
     from bakron import _xp
 
     return (_xp.is_numpy(p.xp) and isinstance(p.W, np.ndarray)
-            and p.W.dtype in (np.float32, np.float64) and _is_uniform(p.quantizer))
+            and p.W.dtype in (np.float32, np.float64) and p.W.dtype.isnative
+            and _is_uniform(p.quantizer))
 
 
 # ---------------------------------------------------------------------------------------
