@@ -594,6 +594,8 @@ def _time_table(res) -> str:
 
 def _markdown(res: dict) -> str:
     d, s, c, v = res["data"], res["seconds"], res["cpu_seconds"], res["versions"]
+    gs = res["grid"]["group_size"]
+    gran = "per-row" if gs is None else f"per-group ({gs} columns)"
     lines = [
         "# bakron demo: all-MiniLM-L6-v2",
         "",
@@ -604,7 +606,7 @@ def _markdown(res: dict) -> str:
         f"{len(res['layers_quantized'])} linear layers quantized at "
         f"{', '.join(map(str, res['bits']))} bits "
         f"({'symmetric' if res['grid']['symmetric'] else 'asymmetric'} grid, "
-        f"{'per-row' if res['grid']['group_size'] is None else 'per-group (%d)' % res['grid']['group_size']} "
+        f"{gran} "
         f"scales fitted to W by the {res['grid']['scale']} rule, the same grid for every "
         f"method), tile {res['tile'][0]}×{res['tile'][1]} (engine {res['engine']}"
         + (f"; {res['engine_note']}" if res.get("engine_note") else "") + "), "
@@ -699,22 +701,30 @@ def _plots(res) -> tuple[bytes, bytes]:
     fig, axes = plt.subplots(len(bits), 1, figsize=(max(8, 0.28 * len(names) + 3),
                                                     2.6 * len(bits)), squeeze=False)
     x = np.arange(len(names))
+    rel = "rtn" in meths
+
+    def ratio(n, b, m, metric):
+        f = res["layers"][n]["bits"][b]
+        return f[m]["proxy"][metric] / (max(f["rtn"]["proxy"][metric], 1e-30) if rel else 1.0)
+
     for ax, b in zip(axes[:, 0], bits):
         for m in meths:
             if m == "rtn":
                 continue
-            vals = [res["layers"][n]["bits"][b][m]["proxy"]["input"]
-                    / max(res["layers"][n]["bits"][b]["rtn"]["proxy"]["input"], 1e-30)
-                    if "rtn" in meths else res["layers"][n]["bits"][b][m]["proxy"]["input"]
-                    for n in names]
-            ax.plot(x, vals, "o-", ms=3, lw=1, color=_COLORS[m], label=METHODS[m])
-        ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_ylabel(f"{b} bits\nproxy (H_I) / RTN" if "rtn" in meths else f"{b} bits")
+            ax.plot(x, [ratio(n, b, m, "input") for n in names], "o-", ms=3, lw=1,
+                    color=_COLORS[m], label=f"{METHODS[m]}: under H_I")
+            if m in ("attention", "local"):
+                ax.plot(x, [ratio(n, b, m, m) for n in names], "s--", ms=3, lw=1,
+                        color=_COLORS[m], label=f"{METHODS[m]}: under its own H_O ⊗ H_I")
+        ax.axhline(1.0, color="black", lw=0.8, ls=":")
+        ax.set_ylabel(f"{b} bits\nproxy / RTN's" if rel else f"{b} bits\nproxy")
         ax.set_xticks(x, [n.replace("layer.", "") for n in names], rotation=90, fontsize=7)
-    axes[0, 0].legend(fontsize=7)
-    axes[0, 0].set_title("per-layer one-sided proxy error relative to RTN (lower is better)",
-                         fontsize=10)
-    fig.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=3, fontsize=7, frameon=False,
+               bbox_to_anchor=(0.5, 0.965))
+    fig.suptitle("per-layer proxy error relative to RTN's under the same factors "
+                 "(lower is better)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     p_png = _png(fig)
     plt.close(fig)
     return q_png, p_png

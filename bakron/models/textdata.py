@@ -30,8 +30,9 @@ __all__ = ["python_reference_sentences", "calibration_and_heldout", "fetch_lee",
 LEE_SOURCE = ("Lee, Pincombe & Welsh (2005), 'An empirical evaluation of models of text "
               "document similarity', Proc. CogSci 2005; 50 documents and their 50x50 human "
               "similarity ratings as shipped in the test data of the gensim 4.4.0 wheel "
-              "(gensim/test/test_data/lee.cor, similarities0-1.txt), fetched with "
-              "`pip download --no-deps gensim==4.4.0`")
+              "(gensim/test/test_data/lee.cor, similarities0-1.txt; gensim is LGPL-2.1), "
+              "fetched at run time with `pip download --no-deps gensim==4.4.0` (the "
+              "cp311 manylinux_2_28_x86_64 wheel, whatever the host) and never redistributed")
 
 _SENT_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 
