@@ -76,6 +76,24 @@ def test_tiny_forward_namespaces_agree(xp):
     np.testing.assert_allclose(np.linalg.norm(ref, axis=1), 1.0, atol=1e-6)
 
 
+def test_tiny_collector_namespaces_agree(xp):
+    ids, mask = tiny_batch()
+    ref = FactorCollector(BertEncoder(tiny_params(), TINY))
+    ref.encoder.forward(ids, mask, observer=ref)
+    got = FactorCollector(BertEncoder(tiny_params(), TINY, xp=xp))
+    got.encoder.forward(ids, mask, observer=got)
+    for kind in ("input", "attention", "local"):
+        a, b = ref.factors(kind), got.factors(kind)
+        assert a.keys() == b.keys()
+        for name in a:
+            for Ma, Mb in zip(a[name], b[name]):
+                if Ma is None:
+                    assert Mb is None
+                    continue
+                Mb = Mb.get() if hasattr(Mb, "get") else np.asarray(Mb)
+                np.testing.assert_allclose(Mb, Ma, rtol=1e-5, atol=1e-6 * np.abs(Ma).max())
+
+
 def test_tiny_padding_does_not_matter():
     enc = BertEncoder(tiny_params(), TINY)
     ids, mask = tiny_batch((5, 9, 3))
