@@ -281,7 +281,7 @@ class BertEncoder:
             o_pre = lin(f"layer.{i}.ffn_out", g) + a
             h_new, ln2_hat, ln2_rstd = _layer_norm(xp, o_pre, g2, b2, eps)
             if observer is not None:
-                sel = (lambda t: t[valid, ...]) if not bool(xp.all(valid)) else (lambda t: t)
+                sel = (lambda t: t[valid]) if not bool(xp.all(valid)) else (lambda t: t)
                 observer.observe(i, {
                     "mask": mask, "valid": valid, "x_attn": sel(h), "q": q, "k": k, "v": v,
                     "probs": p, "x_attn_out": sel(ctx), "ln1_hat": sel(ln1_hat),

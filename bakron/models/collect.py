@@ -135,7 +135,7 @@ class FactorCollector:
         D = X.shape[-1]
         if X.shape[0] != B * T:  # taps hold real tokens only: scatter back to (B, T, D)
             full = xp.zeros((B * T, D), dtype=X.dtype, device=_xp.device(X))
-            full[taps["valid"], ...] = X
+            full[taps["valid"]] = X
             X = full
         X3 = xp.reshape(X, (B, T, D))
         MX = xp.matmul(M, X3)                                  # (B, T, D)
