@@ -220,7 +220,25 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats):
         lines += ["", f"The one-sided solver and the GPTQ loop (on the column-reversed problem, "
                   f"GPTQ's first-to-last order) agree on {min(agree) * 100:.2f} % or more of the "
                   f"entries at every size (float32 near-ties aside they are the same rule)."]
-    lines += ["", "![time vs size](cpu.png)", ""]
+    lines += ["", "Notes:", "",
+              "- Targets (issue 3, float32, tile 16, 2-bit grid): recursive ÷ floor ≤ 3 at "
+              "1024², ≤ 2.5 at 2048² (column 'target').",
+              "- All solvers but 'recursive (array API)' run on the numba engine: compiled, "
+              "quantizer fused. The accumulator anti-diagonal makes one small BLAS product per "
+              "tile for its target and one for its accumulator update, the direct one two BLAS "
+              "products per tile over the tile's dominating region (O(n⁴)); both run the tiles "
+              "of a diagonal one after the other (in parallel they measured slower, "
+              "docs/engines.md).",
+              "- One-sided: `A_out=None`, tile 16×1 (GPTQ's column-by-column rule) with the "
+              "factor of the same H_in at block 1. The GPTQ loop gets the upper Cholesky factor "
+              "of H⁻¹ of the column-reversed problem, computed beforehand and not timed (as the "
+              "solvers get their factors).",
+              "- The 2 cores are shared with other users (load averages above). A busy machine "
+              "slows multi-threaded BLAS calls by up to a scheduler time slice each, the floor's "
+              "two calls as well as the solvers' hundreds: compare runs at low load, or "
+              "single-core runs (`OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python -m "
+              "bakron.bench ...`).",
+              "", "![time vs size](cpu.png)", ""]
     with open(os.path.join(out_dir, "cpu.md"), "w") as fh:
         fh.write("\n".join(lines))
     _plot(rows, os.path.join(out_dir, "cpu.png"), dtype, tile, bits)
