@@ -172,6 +172,38 @@ def run(sizes, repeats=5, dtype="float32", tile=16, bits=2, direct_max=1024,
     return rows
 
 
+def run_shapes(shapes, repeats=2, dtype="float32", tile=16, bits=2, budget=60.0, log=print):
+    """Rectangular shapes (e.g. the MLP layers 4096 x 11008 and 11008 x 4096): the floor and
+    the recursive solver only (the baselines would take minutes each)."""
+    import bakron
+
+    dt = np.dtype(dtype)
+    rows = []
+    for m, n in shapes:
+        rng = np.random.default_rng(0)
+        W = rng.standard_normal((m, n)).astype(dt)
+
+        def factor(k):  # low rank + identity: cheap to form at these sizes
+            X = rng.standard_normal((k, 256))
+            return bakron.prepare_factor(X @ X.T / 256 + np.eye(k), tile).A.astype(dt)
+
+        AI, AO = factor(n), factor(m)
+        q = bakron.UniformQuantizer.fit(W, bits)
+        GO = np.eye(m, dtype=dt) + AO
+        GI = np.eye(n, dtype=dt) + AI
+        row = {"shape": (m, n)}
+        for name, fn in (("floor", lambda: floor_product(GO, W, GI)),
+                         ("recursive", lambda: bakron.solve(W, AO, AI, q, tile=tile,
+                                                            method="recursive",
+                                                            engine="numba"))):
+            fn()
+            row[name], k = _median_time(fn, repeats, budget)
+            log(f"  {m}x{n}  {name:20s} {row[name] * 1e3:10.1f} ms  ({k} runs)")
+        rows.append(row)
+        del GO, GI, AO, AI, W
+    return rows
+
+
 def _fmt_ms(x):
     return "—" if x is None else (f"{x * 1e3:.1f}" if x < 10 else f"{x:.2f} s")
 
@@ -180,7 +212,7 @@ def _ratio(a, b):
     return "—" if a is None or b is None else f"{a / b:.2f}"
 
 
-def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats):
+def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, shape_rows=()):
     os.makedirs(out_dir, exist_ok=True)
     lines = [
         "# CPU benchmark: the recursive solver against the GEMM floor and the anti-diagonal "
@@ -220,6 +252,13 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats):
         lines += ["", f"The one-sided solver and the GPTQ loop (on the column-reversed problem, "
                   f"GPTQ's first-to-last order) agree on {min(agree) * 100:.2f} % or more of the "
                   f"entries at every size (float32 near-ties aside they are the same rule)."]
+    if shape_rows:
+        lines += ["", "Rectangular (MLP) shapes, recursive solver only:", "",
+                  "| m × n | floor `G_Oᵀ W G_I` | recursive | ÷ floor |", "|---|---:|---:|---:|"]
+        for r in shape_rows:
+            m, n = r["shape"]
+            lines.append(f"| {m} × {n} | {_fmt_ms(r['floor'])} | {_fmt_ms(r['recursive'])} | "
+                         f"{r['recursive'] / r['floor']:.2f} |")
     lines += ["", "Notes:", "",
               "- Targets (issue 3, float32, tile 16, 2-bit grid): recursive ÷ floor ≤ 3 at "
               "1024², ≤ 2.5 at 2048² (column 'target').",
@@ -239,9 +278,13 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats):
               "single-core runs (`OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python -m "
               "bakron.bench ...`).",
               "", "![time vs size](cpu.png)", ""]
+    try:
+        _plot(rows, os.path.join(out_dir, "cpu.png"), dtype, tile, bits)
+    except ImportError:
+        lines[-2] = "(no plot: matplotlib is not installed; pip install 'bakron[bench]')"
+        print("bakron bench: matplotlib is not installed: no cpu.png", file=sys.stderr)
     with open(os.path.join(out_dir, "cpu.md"), "w") as fh:
         fh.write("\n".join(lines))
-    _plot(rows, os.path.join(out_dir, "cpu.png"), dtype, tile, bits)
 
 
 _SERIES = [("floor", "floor G_Oᵀ W G_I"), ("recursive", "recursive (numba)"),
@@ -405,6 +448,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true",
                     help="measure the numba engine's auto rules (base size, panel width, "
                          "small problems) and print a markdown report instead")
+    ap.add_argument("--mlp", action="store_true",
+                    help="also time the floor and the recursive solver on the MLP shapes "
+                         "4096x11008 and 11008x4096 (about 3 minutes more)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: sizes 128,256, 2 repeats (overrides --sizes/--repeats)")
     args = ap.parse_args(argv)
@@ -434,10 +480,12 @@ def main(argv=None) -> int:
     rows = run(sizes, repeats=args.repeats, dtype=args.dtype, tile=args.tile, bits=args.bits,
                direct_max=args.direct_max, array_api_max=args.array_api_max,
                budget=args.budget)
+    shape_rows = run_shapes([(4096, 11008), (11008, 4096)], dtype=args.dtype, tile=args.tile,
+                            bits=args.bits) if args.mlp else []
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine += f", at the end {load:.1f}"
     write_report(rows, args.out, command.strip(), machine, args.dtype, args.tile, args.bits,
-                 args.repeats)
+                 args.repeats, shape_rows)
     for r in rows:
         tgt = TARGETS.get(r["n"])
         ratio = r["recursive"] / r["floor"]
@@ -445,7 +493,8 @@ def main(argv=None) -> int:
                                                                   else "MISSED"))
         print(f"n={r['n']}: recursive {r['recursive'] * 1e3:.1f} ms = {ratio:.2f} x floor"
               f"{verdict}")
-    print(f"wrote {os.path.join(args.out, 'cpu.md')} and cpu.png")
+    png = os.path.exists(os.path.join(args.out, "cpu.png"))
+    print(f"wrote {os.path.join(args.out, 'cpu.md')}" + (" and cpu.png" if png else ""))
     return 0
 
 
