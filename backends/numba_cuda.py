@@ -731,9 +731,9 @@ def solve_block(p, ra: int, rb: int, ca: int, cb: int) -> None:
     p.quantizer_calls += 1
 
 
-def _resolve_base(base: int) -> int:
-    from bakron.solvers.recursive import BASE_TILES
-    return DEFAULT_BASE if base == BASE_TILES else int(base)
+def auto_base(p) -> int:
+    """Base-block size in tiles for ``base=None`` (measured: docs/benchmarks/h200.md)."""
+    return DEFAULT_BASE
 
 
 def solve(p, method: str, base: int, variant: str) -> bool:
@@ -746,9 +746,9 @@ def solve(p, method: str, base: int, variant: str) -> bool:
     if method == "antidiagonal":
         _antidiagonal(r)
     elif method == "wavefront":
-        _wavefront(r, max(1, _resolve_base(base)))
+        _wavefront(r, max(1, int(base)))
     else:
-        _recursive(r, max(1, _resolve_base(base)))
+        _recursive(r, max(1, int(base)))
     p.quantizer_calls += r.launches
     return True
 

@@ -70,6 +70,8 @@ def test_solve_rejects_bad_options(case):
     W, f_in, f_out, q = case
     with pytest.raises(ValueError, match="method must be one of"):
         bakron.solve(W, f_out.A, f_in.A, q, tile=(4, 5), method="fast")
+    with pytest.raises(ValueError, match="method='wavefront' .* runs on the cuda engine only"):
+        bakron.solve(W, f_out.A, f_in.A, q, tile=(4, 5), method="wavefront")
     with pytest.raises(ValueError, match="engine must be one of"):
         bakron.solve(W, f_out.A, f_in.A, q, tile=(4, 5), engine="tpu")
     with pytest.raises(ValueError, match="variant must be"):

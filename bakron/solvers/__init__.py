@@ -14,7 +14,7 @@ from .recursive import BASE_TILES, solve_recursive
 
 __all__ = ["solve", "SolveResult", "METHODS", "ENGINES"]
 
-METHODS = ("auto", "naive", "antidiagonal", "recursive")
+METHODS = ("auto", "naive", "antidiagonal", "recursive", "wavefront")
 ENGINES = ("auto", "array_api", "numba", "cuda")
 
 
@@ -75,33 +75,20 @@ def _resolve_engine(engine: str, p: Problem):
     return engine, mod
 
 
-def _auto_base(p: Problem, engine: str) -> int:
-    """Base-block size (tiles per side) when ``base`` is not given.
-
-    numba engine: its measured rule (``backends/numba_cpu.auto_base``, docs/engines.md);
-    every other engine: ``BASE_TILES`` (the cuda engine maps that to its own default).
-    """
-    if engine == "numba":
-        from .. import backends
-        mod = backends.load("numba")
-        if mod is not None:
-            return mod.auto_base(p)
+def _auto_base(p: Problem, eng) -> int:
+    """Base-block size (tiles per side) when ``base`` is not given: the engine's measured rule
+    (``auto_base``; docs/engines.md, docs/benchmarks/h200.md), ``BASE_TILES`` otherwise."""
+    if eng is not None and hasattr(eng, "auto_base"):
+        return int(eng.auto_base(p))
     return BASE_TILES
 
 
-def _auto_method(p: Problem, base: int, engine: str = "array_api") -> str:
-    """The schedule for ``method='auto'`` (see docs/algorithm.md, 'Choosing a method', and
-    docs/engines.md for the CPU measurements)."""
-    if _xp.is_cupy(p.xp) and p.T is None:  # GPU: cuda engine's rules (docs/benchmarks/h200.md)
-        from .. import backends
-        mod = backends.load("cuda")
-        if mod is not None and mod.supports(p):
-            return mod.auto_method(p, base)
-    if engine == "numba":  # CPU: numba engine's measured rule
-        from .. import backends
-        mod = backends.load("numba")
-        if mod is not None:
-            return mod.auto_method(p, base)
+def _auto_method(p: Problem, base: int, eng=None) -> str:
+    """The schedule for ``method='auto'``: the engine's measured rule (``auto_method``; numba:
+    docs/engines.md, cuda: docs/benchmarks/h200.md), otherwise the recursion for anything
+    larger than one base block."""
+    if eng is not None and hasattr(eng, "auto_method"):
+        return eng.auto_method(p, base)
     return "recursive" if (p.M > base or p.N > base) else "antidiagonal"
 
 
@@ -123,8 +110,9 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         Anything with ``quantize(targets) -> (values, codes)`` over ``(k, t_x, t_y)`` batches.
     tile : int or (t_x, t_y)
         Tile shape; the last tile row/column is smaller when it does not divide W.
-    method : {"auto", "naive", "antidiagonal", "recursive"}
-        All give the same Ŵ (exactly in float64). ``auto`` picks by measured rules.
+    method : {"auto", "naive", "antidiagonal", "recursive", "wavefront"}
+        All give the same Ŵ (exactly in float64). ``auto`` picks by the engine's measured
+        rules. ``wavefront`` (the two-level schedule of SPEC §4) runs on the cuda engine only.
     engine : {"auto", "array_api", "numba", "cuda"}
         Where the base case runs. ``auto``: numba for numpy inputs with a uniform quantizer
         when numba imports, the CUDA kernels for cupy inputs, else the array-API path.
@@ -171,10 +159,13 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
     eng_name, eng = ("array_api", None) if return_targets and engine == "auto" else \
         _resolve_engine(engine, p)
+    if method == "wavefront" and eng_name != "cuda":
+        raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
+                         "engine only (cupy arrays); use 'recursive', 'antidiagonal' or 'auto'")
     if auto_base:
-        base = _auto_base(p, eng_name)
+        base = _auto_base(p, eng)
     if method == "auto":
-        method = _auto_method(p, base, eng_name)
+        method = _auto_method(p, base, eng)
     info = {"base": base, "variant": variant if method == "antidiagonal" else None}
 
     _xp.sync(xp)
@@ -193,8 +184,10 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
                 solve_accumulator(p)
             else:
                 block(p, 0, p.M, 0, p.N)
-        else:
+        elif method == "recursive":
             solve_recursive(p, block, base)
+        else:  # an engine's own method that it declined to run
+            raise ValueError(f"method={method!r} is not available on engine {eng_name!r}")
     _xp.sync(xp)
     seconds = time.perf_counter() - t0
     info["quantizer_calls"] = p.quantizer_calls
