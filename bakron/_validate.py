@@ -70,3 +70,11 @@ def check_bits(bits, name: str = "bits") -> int:
     if not 2 <= int(bits) <= 8:
         raise ValueError(f"{name} must be in 2..8, got {bits}")
     return int(bits)
+
+
+def check_bits_list(bits, name: str = "bits") -> tuple[int, ...]:
+    """A non-empty sequence of bit widths, each an integer in 2..8."""
+    bits = tuple(bits)
+    if not bits:
+        raise ValueError(f"{name} must name at least one bit width")
+    return tuple(check_bits(b, name) for b in bits)

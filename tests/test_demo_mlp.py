@@ -67,7 +67,7 @@ def test_quick_demo_results(quick_run):
 
 
 def test_run_validates_arguments(tmp_path):
-    with pytest.raises(ValueError, match="bits must be integers in 2..8"):
+    with pytest.raises(ValueError, match="bits must be in 2..8, got 1"):
         mlp.run(tmp_path, bits=(1, 4), progress=False)
     with pytest.raises(ValueError, match="at least one bit width"):
         mlp.run(tmp_path, bits=(), progress=False)

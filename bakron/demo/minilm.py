@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._validate import check_bits_list
+
 __all__ = ["run", "METHODS", "QUICK_LAYERS"]
 
 #: method key -> label used in tables and plots
@@ -60,16 +62,6 @@ def _namespace(device: str):
     import array_api_compat.numpy as xpn
 
     return xpn, "cpu"
-
-
-def _check_bits(bits):
-    bits = tuple(bits)
-    if not bits:
-        raise ValueError("bits must name at least one bit width")
-    for b in bits:
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 2 <= b <= 8:
-            raise ValueError(f"bits must be integers in 2..8, got {b!r}")
-    return tuple(int(b) for b in bits)
 
 
 def _quad(xp, X, Hi, Ho) -> float:
@@ -299,7 +291,7 @@ def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_cal
     from ..models.minilm import ModelUnavailableError, load_minilm
     from ..models.textdata import calibration_and_heldout, fetch_lee
 
-    bits = _check_bits(bits)
+    bits = check_bits_list(bits)
     if scale not in ("minmax", "rms"):
         raise ValueError(f"scale must be 'minmax' or 'rms', got {scale!r}")
     methods = tuple(dict.fromkeys(methods))

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._validate import check_bits_list
+
 __all__ = ["run", "load_digits_split", "train_mlp", "forward", "global_factors",
            "quantize_model", "METHODS"]
 
@@ -420,12 +422,7 @@ def run(out_dir, *, device: str = "auto", bits=(2, 3, 4), quick: bool = False,
     from .. import __version__
     from .. import io as bio
 
-    bits = tuple(bits)
-    if not bits:
-        raise ValueError("bits must name at least one bit width")
-    for b in bits:
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 2 <= b <= 8:
-            raise ValueError(f"bits must be integers in 2..8, got {b!r}")
+    bits = check_bits_list(bits)
     xp, dev = bio.array_module(device)
     if dev == "gpu":
         import array_api_compat

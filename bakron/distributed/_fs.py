@@ -29,16 +29,9 @@ def is_tmp_name(name: str) -> bool:
 
 def fsync_dir(path: str) -> None:
     """fsync a directory so that a rename in it survives a crash (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    from ..io import _fsync_path
+
+    _fsync_path(path, directory=True)
 
 
 def _fsync_file(path: str) -> None:
