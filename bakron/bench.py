@@ -79,16 +79,23 @@ def gptq_loop(W, U, quantizer, block: int = 128):
     return Q
 
 
-def _median_time(fn, repeats: int, budget: float) -> tuple[float, int]:
-    """Median wall time of ``fn`` over ``repeats`` runs (fewer if one run exceeds budget)."""
-    ts = []
+def _interleaved(fns: dict, repeats: int, budget: float) -> dict:
+    """Wall times of every callable over ``repeats`` rounds, interleaved (each round runs
+    each one once, after one warm-up call each), so that a change of the machine's load hits
+    all entries alike; an entry stops after ``budget`` seconds in all. ``None`` entries are
+    skipped."""
+    fns = {k: f for k, f in fns.items() if f is not None}
+    for f in fns.values():
+        f()  # warm: allocations, caches, first-call costs
+    times: dict = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-        if sum(ts) > budget:
-            break
-    return float(np.median(ts)), len(ts)
+        for k, f in fns.items():
+            if sum(times[k]) > budget:
+                continue
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return times
 
 
 def _machine() -> str:
@@ -156,13 +163,12 @@ def run(sizes, repeats=5, dtype="float32", tile=16, bits=2, direct_max=1024,
         U = np.linalg.cholesky(np.linalg.inv(Hr)).T.astype(dt)
         Wr = np.ascontiguousarray(W[:, ::-1])
         cases.append(("gptq_loop", (lambda: gptq_loop(Wr, U, q)) if n <= gptq_max else None))
+        times = _interleaved(dict(cases), repeats, budget)
         for name, fn in cases:
-            if fn is None:
-                row[name] = None
-                continue
-            fn()  # warm (allocations, caches)
-            row[name], k = _median_time(fn, repeats, budget)
-            log(f"  {n:5d}  {name:20s} {row[name] * 1e3:10.1f} ms  ({k} runs)")
+            ts = times.get(name)
+            row[name] = None if not ts else float(np.median(ts))
+            if ts:
+                log(f"  {n:5d}  {name:20s} {row[name] * 1e3:10.1f} ms  ({len(ts)} runs)")
         # the one-sided solver and the GPTQ loop solve the same problem: check it
         if row["gptq_loop"] is not None:
             ours = solve("recursive", A_out=None, A_in=P["A_in1"], t=(tile, 1)).values
@@ -192,13 +198,14 @@ def run_shapes(shapes, repeats=2, dtype="float32", tile=16, bits=2, budget=60.0,
         GO = np.eye(m, dtype=dt) + AO
         GI = np.eye(n, dtype=dt) + AI
         row = {"shape": (m, n)}
-        for name, fn in (("floor", lambda: floor_product(GO, W, GI)),
-                         ("recursive", lambda: bakron.solve(W, AO, AI, q, tile=tile,
-                                                            method="recursive",
-                                                            engine="numba"))):
-            fn()
-            row[name], k = _median_time(fn, repeats, budget)
-            log(f"  {m}x{n}  {name:20s} {row[name] * 1e3:10.1f} ms  ({k} runs)")
+        times = _interleaved({"floor": lambda: floor_product(GO, W, GI),
+                              "recursive": lambda: bakron.solve(W, AO, AI, q, tile=tile,
+                                                                method="recursive",
+                                                                engine="numba")},
+                             repeats, budget)
+        for name, ts in times.items():
+            row[name] = float(np.median(ts))
+            log(f"  {m}x{n}  {name:20s} {row[name] * 1e3:10.1f} ms  ({len(ts)} runs)")
         rows.append(row)
         del GO, GI, AO, AI, W
     return rows
@@ -220,7 +227,8 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, sh
         f"Command: `{command}`", "",
         f"Machine: {machine}. dtype {dtype}, tile {tile}x{tile}, {bits}-bit grid (per-row RMS "
         f"scales), Wishart Hessians; median of up to {repeats} runs per entry, all measured "
-        "in the same run (ratios are to the floor measured alongside).", "",
+        "in the same run, interleaved round by round (ratios are to the floor measured "
+        "alongside).", "",
         "| n × n | floor `G_Oᵀ W G_I` | recursive | ÷ floor | target | anti-diag acc. | "
         "÷ floor | rec. speed-up | anti-diag direct | rec. speed-up | recursive (array API) | "
         "one-sided (t=16×1) | GPTQ loop (block 128) | GPTQ ÷ one-sided |",
