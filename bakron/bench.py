@@ -215,8 +215,8 @@ def _fmt_ms(x):
     return "—" if x is None else (f"{x * 1e3:.1f}" if x < 10 else f"{x:.2f} s")
 
 
-def _ratio(a, b):
-    return "—" if a is None or b is None else f"{a / b:.2f}"
+def _ratio(a, b, unit=""):
+    return "—" if a is None or b is None else f"{a / b:.2f}{unit}"
 
 
 def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, shape_rows=()):
@@ -242,11 +242,11 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, sh
         lines.append(
             f"| {r['n']} | {_fmt_ms(f)} | {_fmt_ms(r['recursive'])} | {ratio:.2f} | {met} | "
             f"{_fmt_ms(r['antidiagonal_acc'])} | {_ratio(r['antidiagonal_acc'], f)} | "
-            f"{_ratio(r['antidiagonal_acc'], r['recursive'])}× | "
+            f"{_ratio(r['antidiagonal_acc'], r['recursive'], '×')} | "
             f"{_fmt_ms(r['antidiagonal_direct'])} | "
-            f"{_ratio(r['antidiagonal_direct'], r['recursive'])}× | "
+            f"{_ratio(r['antidiagonal_direct'], r['recursive'], '×')} | "
             f"{_fmt_ms(r['recursive_array_api'])} | {_fmt_ms(r['one_sided'])} | "
-            f"{_fmt_ms(r['gptq_loop'])} | {_ratio(r['gptq_loop'], r['one_sided'])}× |")
+            f"{_fmt_ms(r['gptq_loop'])} | {_ratio(r['gptq_loop'], r['one_sided'], '×')} |")
     lines += ["", "Times in ms unless marked s. Fitted slopes of log time vs log n "
               "(square n × n; the floor and every exact method are O(n³) but for the direct "
               "anti-diagonal, O(n⁴)):", ""]
