@@ -8,8 +8,7 @@
   ÷ that of round-to-nearest — lower is better (> 1 happens at 2 bits, SPEC §7);
 * ``track_extra_memory_mn``: peak array memory allocated by one solve (tracemalloc), in
   units of ``m n`` elements of the dtype, outputs included — lower is better; issue 3 asks
-  ≤ 3 for the recursive solver (the copies of ``A_out``/``A_in`` that ``Problem`` makes in
-  the working dtype count here too).
+  ≤ 3 for the recursive solver (the factors are passed in W's dtype, so no cast counts).
 
 Default run: 256² … 2048², float32 and float64, engines numba and array_api; slow
 combinations (the O(n⁴) direct anti-diagonal beyond 1024², the array-API engine beyond
