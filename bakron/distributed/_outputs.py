@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import time
+import traceback
 import uuid
 
 import numpy as np
@@ -340,3 +341,11 @@ class OutputLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def failure_record(key, exc, **extra) -> dict:
+    """The manifest record of a task that failed with ``exc`` (``None``: no exception object)."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=6)) \
+        if exc is not None else ""
+    return {"status": "failed", "key": key, **extra, "finished": now_iso(),
+            "error": f"{type(exc).__name__}: {exc}", "traceback": tb}

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from ._jobs import LayerJob, job_key, safe_file_name, tensor_checksum
-from ._outputs import (OutputLock, clean_tmp, layer_path, now_iso, quarantine, read_manifest,
-                       verify_layer_file, write_manifest)
+from ._outputs import (OutputLock, clean_tmp, failure_record, layer_path, now_iso, quarantine,
+                       read_manifest, verify_layer_file, write_manifest)
 from ._task import run_job
 
 __all__ = ["run_layers", "RunResult", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_LOCKED",
@@ -267,19 +267,12 @@ def _run_dask(client, pending, out_dir, retries, resources, finish):
                 try:
                     rec = f.result()
                 except Exception as exc:  # pragma: no cover - status said finished
-                    rec = _failed(key, exc)
+                    rec = failure_record(key, exc, worker=None)
             else:
                 exc = f.exception()
-                rec = _failed(key, exc)
+                rec = failure_record(key, exc, worker=None)
             f.release()
             finish(j.name, rel, rec)
     except BaseException:
         client.cancel(list(futs))
         raise
-
-
-def _failed(key, exc) -> dict:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=6)) \
-        if exc is not None else ""
-    return {"status": "failed", "key": key, "worker": None, "finished": now_iso(),
-            "error": f"{type(exc).__name__}: {exc}", "traceback": tb}

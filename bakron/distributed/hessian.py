@@ -22,14 +22,13 @@ import json
 import math
 import os
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ._jobs import TensorRef, safe_file_name, tensor_checksum
-from ._outputs import (OutputLock, clean_tmp, now_iso, publish_tensors, quarantine,
-                       read_manifest, verify_layer_file, write_manifest)
+from ._outputs import (OutputLock, clean_tmp, failure_record, now_iso, publish_tensors,
+                       quarantine, read_manifest, verify_layer_file, write_manifest)
 
 __all__ = ["sharded_global_factors", "ShardedResult", "PARTIAL_FORMAT", "model_fingerprint",
            "chain_layers"]
@@ -543,7 +542,7 @@ def sharded_global_factors(model, shards, out_dir, client=None, *, batch_size=No
                                            r, offsets[s], ranges[r], settings, weights_of(s),
                                            pkeys[(r, s)], out_dir)
                     except Exception as exc:
-                        rec = _failure(pkeys[(r, s)], exc)
+                        rec = failure_record(pkeys[(r, s)], exc)
                         bad.add(r)
                     on_partial(r, s, rec)
                 for n in need_f:
@@ -557,7 +556,7 @@ def sharded_global_factors(model, shards, out_dir, client=None, *, batch_size=No
                                           [pkeys[(r, s)] for s in range(len(shards))],
                                           fkeys[n], out_dir)
                     except Exception as exc:
-                        rec = _failure(fkeys[n], exc)
+                        rec = failure_record(fkeys[n], exc)
                     on_factor(n, rec)
             else:
                 _run_dask(client, model, stages, shards, need_p, need_f, ranges, range_of,
@@ -607,7 +606,7 @@ def _run_dask(client, model, stages, shards, need_p, need_f, ranges, range_of, o
             if f.status == "finished":
                 rec = f.result()
             else:
-                rec = _failure(pkeys[k] if kind == "p" else fkeys[k], f.exception())
+                rec = failure_record(pkeys[k] if kind == "p" else fkeys[k], f.exception())
             if kind == "p":
                 on_partial(k[0], k[1], rec)
             else:
@@ -617,11 +616,6 @@ def _run_dask(client, model, stages, shards, need_p, need_f, ranges, range_of, o
         raise
 
 
-def _failure(key, exc) -> dict:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=6)) \
-        if exc is not None else ""
-    return {"status": "failed", "key": key, "finished": now_iso(),
-            "error": f"{type(exc).__name__}: {exc}", "traceback": tb}
 
 
 def _clean(rec: dict) -> dict:
