@@ -1,0 +1,10 @@
+"""Exports that real consumers load: GGUF block formats (llama.cpp) and GPTQ-packed safetensors.
+
+:mod:`bakron.export.grids` holds the tile quantizers that round onto exactly the formats'
+grids; the writers turn a quantized layer's ``W_hat`` into the format's bytes without loss.
+"""
+from .grids import (BLOCK, GGUF_FORMATS, BlockGrid, Q4_0Grid, Q4_1Grid, Q8_0Grid,
+                    fit_block_grid, grid_for_format)
+
+__all__ = ["BLOCK", "GGUF_FORMATS", "BlockGrid", "Q4_0Grid", "Q4_1Grid", "Q8_0Grid",
+           "fit_block_grid", "grid_for_format"]
