@@ -70,3 +70,27 @@ def layer_parts(name: str, layer):
     if W_hat.dtype.kind != "f":
         raise ValueError(f"layer {name!r}: W_hat must be floating point, got {W_hat.dtype}")
     return W_hat, quantizer
+
+
+def encode_on_grid(quantizer, W_hat, name: str = "W_hat") -> np.ndarray:
+    """Codes of ``W_hat`` under ``quantizer``, which must reproduce ``W_hat`` exactly.
+
+    ``ValueError`` (naming the first entry off the grid) otherwise: the export stores codes,
+    so only a ``W_hat`` on the quantizer's grid can be written without loss.
+    """
+    Wn = np.asarray(_xp.to_numpy(W_hat))
+    if Wn.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array, got shape {Wn.shape}")
+    m, n = Wn.shape
+    quantizer.check_shape(m, n)
+    W64 = Wn.astype(np.float64)
+    zero = np.zeros((1,), dtype=np.int64)
+    values, codes = quantizer.quantize(W64[None], rows=zero, cols=zero)
+    bad = values[0] != W64
+    if np.any(bad):
+        i, j = np.argwhere(bad)[0]
+        raise ValueError(
+            f"{name} is not on this {quantizer.format} grid at {int(bad.sum())} entries (first "
+            f"[{i}, {j}]: {W64[i, j]!r}, nearest grid value {values[0, i, j]!r}); export the "
+            f"W_hat that this quantizer produced, in float32 or float64")
+    return codes[0].astype(np.int64)

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import _xp
 from ..quantizers import UniformQuantizer
+from ._files import encode_on_grid
 
 __all__ = ["BLOCK", "GGUF_FORMATS", "BlockGrid", "Q8_0Grid", "Q4_0Grid", "Q4_1Grid",
            "fit_block_grid", "grid_for_format"]
@@ -82,22 +83,7 @@ class BlockGrid(UniformQuantizer):
     # -- export --------------------------------------------------------------------------
     def encode(self, W_hat, name: str = "W_hat") -> np.ndarray:
         """Codes of ``W_hat``, which must lie exactly on this grid (else ``ValueError``)."""
-        Wn = np.asarray(_xp.to_numpy(W_hat))
-        if Wn.ndim != 2:
-            raise ValueError(f"{name} must be a 2-D array, got shape {Wn.shape}")
-        m, n = Wn.shape
-        self.check_shape(m, n)
-        W64 = Wn.astype(np.float64)
-        zero = np.zeros((1,), dtype=np.int64)
-        values, codes = self.quantize(W64[None], rows=zero, cols=zero)
-        bad = values[0] != W64
-        if np.any(bad):
-            i, j = np.argwhere(bad)[0]
-            raise ValueError(
-                f"{name} is not on this {self.format} grid at {int(bad.sum())} entries (first "
-                f"[{i}, {j}]: {W64[i, j]!r}, nearest grid value {values[0, i, j]!r}); export "
-                f"the W_hat that this quantizer produced, in float32 or float64")
-        return codes[0].astype(np.int64)
+        return encode_on_grid(self, W_hat, name)
 
     def to_blocks(self, codes) -> np.ndarray:
         """The format's bytes for ``codes`` (m, n) in this grid's convention: (m, n/32 * bytes)."""

@@ -1,0 +1,361 @@
+"""GPTQ's grid and its packed safetensors checkpoint (the layout transformers and vLLM load).
+
+Grid (GPTQ's ``Quantizer.find_params`` per group of ``group_size`` inputs, ``maxq = 2**b - 1``):
+the range is widened to contain 0 (``xmin = min(min w, 0)``, ``xmax = max(max w, 0)``; both 0
+gives ``[-1, 1]``); symmetric grids use ``xmax = max(|xmin|, xmax)``, ``xmin = -xmax``;
+``scale = (xmax - xmin) / maxq``, stored in fp16; ``zero = 2**(b-1)`` (symmetric) or
+``round(-xmin / scale)``; codes ``q = clamp(round(w / scale) + zero, 0, maxq)`` and
+``w_hat = scale * (q - zero)``.
+
+Checkpoint (``checkpoint_format="gptq"``, GPTQ's original "v1" layout): for a linear
+``P`` of ``out x in`` weights, ``P.qweight`` int32 ``(in * b / 32, out)`` packs 32/b codes of
+consecutive inputs per word, input ``i`` of word row ``i // (32/b)`` in bits
+``b * (i % (32/b))`` upwards; ``P.qzeros`` int32 ``(groups, out * b / 32)`` packs the zero
+points *minus one* the same way along the outputs; ``P.scales`` fp16 ``(groups, out)``;
+``P.g_idx`` int32 ``(in,)`` with ``g_idx[i] = i // group_size`` (``desc_act=false``). The
+``gptq_v2`` layout stores the zero points themselves. docs/export.md has the details.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__, _safetensors, _xp
+from ..io import InputError, OutputExistsError, atomic_output_dir, check_output_path
+from ..quantizers import UniformQuantizer
+from ._files import encode_on_grid, layer_parts
+
+__all__ = ["GPTQGrid", "as_gptq_grid", "pack_rows", "write_gptq", "hf_linear_name",
+           "GPTQ_BITS", "CHECKPOINT_FORMATS"]
+
+GPTQ_BITS = (2, 4, 8)
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+_FP16_TINY = float(np.float16(2.0 ** -24))
+_GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_HF_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+                        r"\.weight$")
+
+
+def _check_bits(bits) -> int:
+    if bits not in GPTQ_BITS:
+        raise ValueError(f"GPTQ packing is exported for bits in {GPTQ_BITS}, got {bits!r} "
+                         f"(3-bit GPTQ packs codes across int32 words; not supported here)")
+    return int(bits)
+
+
+class GPTQGrid(UniformQuantizer):
+    """GPTQ's asymmetric-form grid: ``w = scale * (q - zero)``, ``q`` in ``0 .. 2**bits - 1``.
+
+    ``scale`` (fp16 values) and ``zero`` (integers) are ``(rows, groups)`` tables; a
+    symmetric grid is the one with every zero equal to ``2**(bits-1)``.
+    """
+
+    format = "GPTQ"
+
+    def encode(self, W_hat, name: str = "W_hat") -> np.ndarray:
+        """Codes (0 .. 2**bits - 1) of ``W_hat``, which must lie exactly on this grid."""
+        return encode_on_grid(self, W_hat, name)
+
+    def __init__(self, bits, scale, zero, group_size: int | None):
+        """``group_size`` None (GPTQ's -1) means one group per row (tables of one column)."""
+        bits = _check_bits(bits)
+        scale = np.asarray(scale, dtype=np.float64)
+        zero = np.asarray(zero, dtype=np.float64)
+        if scale.ndim != 2 or zero.shape != scale.shape:
+            raise ValueError(f"scale and zero must be (rows, groups) tables of one shape, got "
+                             f"{scale.shape} and {zero.shape}")
+        if np.any(scale.astype(np.float16).astype(np.float64) != scale):
+            raise ValueError("scale must hold float16 values (GPTQ stores its scales in fp16)")
+        if np.any(zero != np.round(zero)) or zero.min() < 0 or zero.max() > 2 ** bits - 1:
+            raise ValueError(f"zero must hold integers in [0, {2 ** bits - 1}]")
+        if group_size in (None, -1):
+            if scale.shape[1] != 1:
+                raise ValueError("group_size=None (one group per row) needs one-column tables")
+            super().__init__(bits, scale[:, 0], symmetric=False, zero_point=zero[:, 0])
+            self.gptq_group_size = -1
+        else:
+            super().__init__(bits, scale, symmetric=False, zero_point=zero,
+                             group_size=group_size)
+            self.gptq_group_size = self.group_size
+
+    @property
+    def sym(self) -> bool:
+        return bool(np.all(self._zero == 2 ** (self.bits - 1)))
+
+    @classmethod
+    def fit(cls, W, bits: int = 4, *, group_size: int | None = 128, sym: bool = True,
+            min_zero: int = 1):
+        """Fit GPTQ's min/max grid to ``W`` (m outputs x n inputs) per group of inputs.
+
+        ``group_size=None`` (GPTQ's -1) is one group per row. ``min_zero=1`` keeps every
+        asymmetric zero point >= 1, which the v1 checkpoint layout needs (it stores
+        ``zero - 1`` in ``bits`` bits); pass 0 for a ``gptq_v2`` export.
+        """
+        bits = _check_bits(bits)
+        Wn = np.asarray(_xp.to_numpy(W))
+        if Wn.ndim != 2 or 0 in Wn.shape or Wn.dtype.kind != "f":
+            raise ValueError(f"W must be a non-empty 2-D floating-point array, got shape "
+                             f"{Wn.shape} and dtype {Wn.dtype}")
+        W32 = Wn.astype(np.float32)
+        if not np.all(np.isfinite(W32)):
+            raise ValueError("W contains NaN or Inf entries")
+        m, n = W32.shape
+        per_row = group_size in (None, -1)
+        g = n if per_row else int(group_size)
+        if g < 1 or n % g:
+            raise ValueError(f"group_size must divide the {n} inputs of W, got {group_size!r}")
+        maxq = 2 ** bits - 1
+        b = W32.reshape(m, n // g, g)
+        xmin = np.minimum(b.min(axis=-1), 0)
+        xmax = np.maximum(b.max(axis=-1), 0)
+        if sym:
+            # (GPTQ's reference code keeps xmin = 0 in a group without negative weights,
+            # which halves its range there; the symmetric grid here always spans +-xmax)
+            xmax = np.maximum(-xmin, xmax)
+            xmin = -xmax
+        both = (xmin == 0) & (xmax == 0)
+        xmin, xmax = np.where(both, -1, xmin), np.where(both, 1, xmax)
+        scale = (xmax - xmin) / np.float32(maxq)
+        with np.errstate(over="ignore"):
+            s16 = scale.astype(np.float16).astype(np.float64)
+        if not np.all(np.isfinite(s16)):
+            raise ValueError("W has a group whose GPTQ scale overflows float16")
+        s16 = np.where(s16 > 0, s16, _FP16_TINY)
+        if sym:
+            zero = np.full(s16.shape, 2.0 ** (bits - 1))
+        else:
+            zero = np.clip(np.round(-xmin / scale), min_zero, maxq)
+        return cls(bits, s16, zero, None if per_row else g)
+
+
+def as_gptq_grid(quantizer, n: int, *, checkpoint_format: str = "gptq") -> GPTQGrid:
+    """``quantizer`` as a :class:`GPTQGrid` for a layer of ``n`` inputs, or ``ValueError``
+    saying why the GPTQ checkpoint cannot store it."""
+    if isinstance(quantizer, GPTQGrid):
+        grid = quantizer
+    elif type(quantizer) is UniformQuantizer:
+        q = quantizer
+        why = None
+        if q.bits not in GPTQ_BITS:
+            why = f"it has {q.bits} bits (GPTQ packing is exported for {GPTQ_BITS})"
+        s = q._scale
+        if why is None and np.any(s.astype(np.float16).astype(np.float64) != s):
+            why = "its scales are not float16 numbers (GPTQ stores fp16 scales)"
+        if why is None and q.symmetric:
+            z = np.full(s.shape, 2.0 ** (q.bits - 1))
+        elif why is None:
+            z = np.broadcast_to(q._zero, np.broadcast_shapes(q._zero.shape, s.shape))
+            if np.any(z != np.round(z)):
+                why = "its zero points are not integers"
+        if why is not None:
+            raise ValueError(f"the GPTQ checkpoint cannot store {q!r}: {why}")
+        rows = max(s.shape[0], z.shape[0])
+        s, z = np.broadcast_to(s, (rows, s.shape[1])), np.broadcast_to(z, (rows, s.shape[1]))
+        gs = q.group_size if s.shape[1] > 1 else None
+        if gs is not None and n % gs:
+            raise ValueError(f"the GPTQ checkpoint cannot store {q!r}: its group size {gs} "
+                             f"does not divide the {n} inputs")
+        grid = GPTQGrid(q.bits, s, z, gs)  # a symmetric grid: the same values, zero 2**(b-1)
+    else:
+        raise ValueError(f"the GPTQ checkpoint stores a uniform grid with fp16 scales per group "
+                         f"of inputs; {type(quantizer).__name__} is not one (fit with "
+                         f"bakron.export.GPTQGrid.fit)")
+    if checkpoint_format == "gptq" and grid._zero.min() < 1:
+        raise ValueError("GPTQ's v1 checkpoint layout stores zero - 1 in an unsigned field, so "
+                         "it cannot hold a zero point of 0 (a group with no negative weight); "
+                         "write checkpoint_format='gptq_v2' or fit with min_zero=1")
+    return grid
+
+
+def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
+    """Pack unsigned ``bits``-bit integers along axis 0: (k, c) -> int32 (k * bits / 32, c)."""
+    v = np.asarray(values).astype(np.uint32)
+    per = 32 // bits
+    k, c = v.shape
+    if k % per:
+        raise ValueError(f"{k} entries cannot be packed {per} to an int32 word")
+    words = np.zeros((k // per, c), dtype=np.uint32)
+    for j in range(per):
+        words |= v[j::per] << np.uint32(bits * j)
+    return words.view(np.int32)
+
+
+def hf_linear_name(name: str) -> str:
+    """The Hugging Face module name of a linear: ``blk.3.attn_q`` -> ``model.layers.3.self_attn.q_proj``."""
+    name = name[:-len(".weight")] if name.endswith(".weight") else name
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", name)
+    if m and m.group(2) in _GGUF_TO_HF:
+        return f"model.layers.{m.group(1)}.{_GGUF_TO_HF[m.group(2)]}"
+    return name
+
+
+def _pack_layer(prefix, W_hat, grid, checkpoint_format, key):
+    codes = grid.encode(W_hat, name=f"layer {key!r}: W_hat")
+    m, n = codes.shape
+    per = 32 // grid.bits
+    if m % per:
+        raise ValueError(f"layer {key!r}: its {m} outputs cannot be packed {per} to an int32 "
+                         f"word (GPTQ's qzeros)")
+    if n % per:
+        raise ValueError(f"layer {key!r}: its {n} inputs cannot be packed {per} to an int32 "
+                         f"word (GPTQ's qweight)")
+    zeros = grid._zero.astype(np.int64) - (1 if checkpoint_format == "gptq" else 0)
+    return {
+        f"{prefix}.qweight": pack_rows(codes.T, grid.bits),
+        f"{prefix}.qzeros": np.ascontiguousarray(pack_rows(zeros, grid.bits).T),
+        f"{prefix}.scales": np.ascontiguousarray(grid._scale.T).astype(np.float16),
+        f"{prefix}.g_idx": (np.arange(n) // grid.group_size if grid.group_size else
+                            np.zeros(n, np.int64)).astype(np.int32),
+    }
+
+
+def _read_folder(src: Path):
+    """(config dict, {name: (array, dtype string)}, other files) of a HF model folder."""
+    if not src.is_dir():
+        raise InputError(f"{src}: not a model folder")
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise InputError(f"{src}: no config.json")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except ValueError as exc:
+        raise InputError(f"{cfg_path}: not valid JSON ({exc})") from None
+    if "quantization_config" in config:
+        raise InputError(f"{src}: the model is already quantized "
+                         f"({config['quantization_config'].get('quant_method', '?')})")
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as exc:
+            raise InputError(f"{index}: not a safetensors index ({exc})") from None
+        missing = [s for s in shards if not (src / s).is_file()]
+        if missing:
+            raise InputError(f"{src}: shard(s) {missing} named in {index.name} are missing")
+        files = [src / s for s in shards]
+    else:
+        files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{src}: no *.safetensors weights")
+    tensors = {}
+    for f in files:
+        try:
+            header, _ = _safetensors.read_header(f)
+            data = _safetensors.load(f)
+        except (ValueError, KeyError) as exc:
+            raise InputError(f"{f}: {exc}") from None
+        for name, arr in data.items():
+            tensors[name] = (arr, header[name]["dtype"])
+    skip = {f.name for f in files} | {"model.safetensors.index.json", "config.json",
+                                     "quantize_config.json"}
+    others = [p for p in sorted(src.iterdir()) if p.is_file() and p.name not in skip
+              and not p.name.startswith(".")]
+    return config, tensors, others
+
+
+def _as_stored(arr, dtype):
+    """A loaded tensor back in its stored form: BF16 -> uint16 bit patterns (exact)."""
+    if dtype == "BF16":
+        return (np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32) >> 16
+                ).astype(np.uint16)
+    return arr
+
+
+def write_gptq(out, source, layers: dict, *, checkpoint_format: str = "gptq",
+               force: bool = False) -> Path:
+    """Write a GPTQ-packed Hugging Face model folder ``out`` from ``source`` and ``layers``.
+
+    Parameters
+    ----------
+    out : path
+        The folder to create (atomically; ``OutputExistsError`` if it exists, unless
+        ``force``).
+    source : path
+        A Hugging Face model folder (``config.json``, ``*.safetensors``, tokenizer files).
+    layers : dict
+        ``{name: LayerResult or (W_hat, quantizer)}`` for *every* linear of the decoder
+        blocks, keyed by HF module name (``model.layers.0.self_attn.q_proj``) or GGUF name
+        (``blk.0.attn_q``); one bit width, group size and symmetry for all (GPTQ's config is
+        global). Quantizers are :class:`GPTQGrid` or uniform grids it can store.
+    checkpoint_format : {"gptq", "gptq_v2"}
+        How zero points are stored (``zero - 1`` or ``zero``).
+
+    Every other tensor is copied in its stored dtype (BF16 stays BF16), every other file is
+    copied, and ``config.json`` gets GPTQ's ``quantization_config`` (also written as
+    ``quantize_config.json``). Returns the output folder.
+    """
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got "
+                         f"{checkpoint_format!r}")
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError("layers must be a non-empty dict {name: LayerResult or (W_hat, "
+                         "quantizer)}")
+    src = Path(source)
+    out_path = check_output_path(out, [src])
+    if (out_path.exists() or out_path.is_symlink()) and not force:
+        raise OutputExistsError(f"{out_path} already exists; use force=True (--force) to "
+                                f"replace it")
+    config, tensors, others = _read_folder(src)
+
+    # -- check and pack every layer before anything is written -----------------------------
+    packed, settings = {}, set()
+    for key, layer in layers.items():
+        prefix = hf_linear_name(str(key))
+        if prefix in packed:
+            raise ValueError(f"layer {key!r} is given twice")
+        wname = prefix + ".weight"
+        if wname not in tensors:
+            raise InputError(f"layer {key!r}: the source has no tensor {wname!r}")
+        W_hat, quantizer = layer_parts(key, layer)
+        shape = tuple(tensors[wname][0].shape)
+        if tuple(W_hat.shape) != shape:
+            raise ValueError(f"layer {key!r}: W_hat has shape {W_hat.shape} but {wname!r} is "
+                             f"{shape}")
+        grid = as_gptq_grid(quantizer, shape[1], checkpoint_format=checkpoint_format)
+        grid.check_shape(*shape)
+        if shape[1] % (32 // grid.bits):
+            raise ValueError(f"layer {key!r}: its {shape[1]} inputs cannot be packed "
+                             f"{32 // grid.bits} to an int32 word")
+        settings.add((grid.bits, grid.gptq_group_size, grid.sym))
+        packed[prefix] = _pack_layer(prefix, W_hat, grid, checkpoint_format, key)
+    missing = sorted(n[:-len(".weight")] for n in tensors
+                     if _HF_LINEAR.match(n) and n[:-len(".weight")] not in packed)
+    if missing:
+        raise ValueError(f"a GPTQ checkpoint quantizes every linear of the decoder blocks; "
+                         f"{len(missing)} have no result (first: {missing[:3]})")
+    bits_set = {s[0] for s in settings}
+    groups = {s[1] for s in settings}
+    sym_set = {s[2] for s in settings}
+    if len(bits_set) > 1 or len(sym_set) > 1 or len(groups) > 1:
+        raise ValueError(f"GPTQ's quantization_config is one setting for the whole model; the "
+                         f"layers mix bits {sorted(bits_set)}, group sizes {sorted(groups)} "
+                         f"and sym {sorted(sym_set)}")
+    qcfg = {"quant_method": "gptq", "bits": bits_set.pop(), "group_size": groups.pop(),
+            "desc_act": False, "sym": sym_set.pop(), "true_sequential": True,
+            "static_groups": False, "lm_head": False, "checkpoint_format": checkpoint_format,
+            "pack_dtype": "int32", "meta": {"quantizer": [f"bakron:{__version__}"]}}
+
+    arrays, bf16 = {}, set()
+    for name, (arr, dtype) in tensors.items():
+        if name.endswith(".weight") and name[:-len(".weight")] in packed:
+            continue
+        arrays[name] = _as_stored(arr, dtype)
+        if dtype == "BF16":
+            bf16.add(name)
+    for p in packed.values():
+        arrays.update(p)
+    config = dict(config, quantization_config=qcfg)
+
+    with atomic_output_dir(out_path, force=force) as tmp:
+        _safetensors.save(tmp / "model.safetensors", arrays, {"format": "pt"}, bf16=bf16)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "quantize_config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+        for f in others:
+            shutil.copy2(f, tmp / f.name)
+    return out_path
