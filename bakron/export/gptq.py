@@ -18,7 +18,6 @@ points *minus one* the same way along the outputs; ``P.scales`` fp16 ``(groups, 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from .. import __version__, _safetensors, _xp
 from ..io import InputError, OutputExistsError, atomic_output_dir, check_output_path
 from ..quantizers import UniformQuantizer
 from ._files import encode_on_grid, layer_parts
+from ._hf import HF_LINEAR, as_stored, hf_linear_name, read_folder
 
 __all__ = ["GPTQGrid", "as_gptq_grid", "pack_rows", "write_gptq", "hf_linear_name",
            "GPTQ_BITS", "CHECKPOINT_FORMATS"]
@@ -35,11 +35,6 @@ __all__ = ["GPTQGrid", "as_gptq_grid", "pack_rows", "write_gptq", "hf_linear_nam
 GPTQ_BITS = (2, 4, 8)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 _FP16_TINY = float(np.float16(2.0 ** -24))
-_GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_HF_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
-                        r"\.weight$")
 
 
 def _check_bits(bits) -> int:
@@ -186,15 +181,6 @@ def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
     return words.view(np.int32)
 
 
-def hf_linear_name(name: str) -> str:
-    """The Hugging Face module name of a linear: ``blk.3.attn_q`` -> ``model.layers.3.self_attn.q_proj``."""
-    name = name[:-len(".weight")] if name.endswith(".weight") else name
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", name)
-    if m and m.group(2) in _GGUF_TO_HF:
-        return f"model.layers.{m.group(1)}.{_GGUF_TO_HF[m.group(2)]}"
-    return name
-
-
 def _pack_layer(prefix, W_hat, grid, checkpoint_format, key):
     codes = grid.encode(W_hat, name=f"layer {key!r}: W_hat")
     m, n = codes.shape
@@ -213,58 +199,6 @@ def _pack_layer(prefix, W_hat, grid, checkpoint_format, key):
         f"{prefix}.g_idx": (np.arange(n) // grid.group_size if grid.group_size else
                             np.zeros(n, np.int64)).astype(np.int32),
     }
-
-
-def _read_folder(src: Path):
-    """(config dict, {name: (array, dtype string)}, other files) of a HF model folder."""
-    if not src.is_dir():
-        raise InputError(f"{src}: not a model folder")
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise InputError(f"{src}: no config.json")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except ValueError as exc:
-        raise InputError(f"{cfg_path}: not valid JSON ({exc})") from None
-    if "quantization_config" in config:
-        raise InputError(f"{src}: the model is already quantized "
-                         f"({config['quantization_config'].get('quant_method', '?')})")
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as exc:
-            raise InputError(f"{index}: not a safetensors index ({exc})") from None
-        missing = [s for s in shards if not (src / s).is_file()]
-        if missing:
-            raise InputError(f"{src}: shard(s) {missing} named in {index.name} are missing")
-        files = [src / s for s in shards]
-    else:
-        files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise InputError(f"{src}: no *.safetensors weights")
-    tensors = {}
-    for f in files:
-        try:
-            header, _ = _safetensors.read_header(f)
-            data = _safetensors.load(f)
-        except (ValueError, KeyError) as exc:
-            raise InputError(f"{f}: {exc}") from None
-        for name, arr in data.items():
-            tensors[name] = (arr, header[name]["dtype"])
-    skip = {f.name for f in files} | {"model.safetensors.index.json", "config.json",
-                                     "quantize_config.json"}
-    others = [p for p in sorted(src.iterdir()) if p.is_file() and p.name not in skip
-              and not p.name.startswith(".")]
-    return config, tensors, others
-
-
-def _as_stored(arr, dtype):
-    """A loaded tensor back in its stored form: BF16 -> uint16 bit patterns (exact)."""
-    if dtype == "BF16":
-        return (np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32) >> 16
-                ).astype(np.uint16)
-    return arr
 
 
 def write_gptq(out, source, layers: dict, *, checkpoint_format: str = "gptq",
@@ -301,7 +235,7 @@ def write_gptq(out, source, layers: dict, *, checkpoint_format: str = "gptq",
     if (out_path.exists() or out_path.is_symlink()) and not force:
         raise OutputExistsError(f"{out_path} already exists; use force=True (--force) to "
                                 f"replace it")
-    config, tensors, others = _read_folder(src)
+    config, tensors, others = read_folder(src)
 
     # -- check and pack every layer before anything is written -----------------------------
     packed, settings = {}, set()
@@ -325,7 +259,7 @@ def write_gptq(out, source, layers: dict, *, checkpoint_format: str = "gptq",
         settings.add((grid.bits, grid.gptq_group_size, grid.sym))
         packed[prefix] = _pack_layer(prefix, W_hat, grid, checkpoint_format, key)
     missing = sorted(n[:-len(".weight")] for n in tensors
-                     if _HF_LINEAR.match(n) and n[:-len(".weight")] not in packed)
+                     if HF_LINEAR.match(n) and n[:-len(".weight")] not in packed)
     if missing:
         raise ValueError(f"a GPTQ checkpoint quantizes every linear of the decoder blocks; "
                          f"{len(missing)} have no result (first: {missing[:3]})")
@@ -345,7 +279,7 @@ def write_gptq(out, source, layers: dict, *, checkpoint_format: str = "gptq",
     for name, (arr, dtype) in tensors.items():
         if name.endswith(".weight") and name[:-len(".weight")] in packed:
             continue
-        arrays[name] = _as_stored(arr, dtype)
+        arrays[name] = as_stored(arr, dtype)
         if dtype == "BF16":
             bf16.add(name)
     for p in packed.values():
