@@ -175,3 +175,40 @@ def test_scales_must_be_float16():
         Q8_0Grid(np.full((1, 1), 0.1))
     with pytest.raises(ValueError, match="non-zero"):
         Q4_0Grid(np.zeros((1, 1)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rtn_equals_gguf_over_many_magnitudes(fmt):
+    # rows from 6e-6 to 1e3 in magnitude (fp16 scales from subnormal to large), some rows
+    # shifted off zero (Q4_1's minimum far from 0), some of one sign only
+    rng = np.random.default_rng(11)
+    m, n = 96, 128
+    W = rng.standard_normal((m, n)) * np.exp(rng.uniform(-12, 7, size=(m, 1)))
+    W[::5] += 3 * np.abs(W[::5]).max(axis=1, keepdims=True)
+    W[1::7] = np.abs(W[1::7])
+    W = W.astype(np.float32)
+    grid = fit_block_grid(W, fmt)
+    values, codes = grid.rtn(W)
+    blocks = grid.to_blocks(codes)
+    assert np.array_equal(blocks, gguf_quantize(W, qtype(fmt)))
+    assert np.array_equal(bits(gguf_dequantize(blocks, qtype(fmt))), bits(values))
+
+
+def test_scale_underflowing_float16_keeps_a_grid():
+    # |w| ~ 1e-6: Q8_0's d = max|w| / 127 is below half the smallest fp16 subnormal, so
+    # llama.cpp stores d = 0 (every weight becomes 0); bakron stores 2**-24 and rounds onto it
+    W = np.zeros((1, 32), np.float32)
+    W[0, :4] = [2e-6, -1e-6, 5e-7, 0]
+    g = Q8_0Grid.fit(W)
+    v, c = g.rtn(W)
+    ours, theirs = g.to_blocks(c), gguf_quantize(W, qtype("Q8_0"))
+    assert np.frombuffer(theirs[0, :2].tobytes(), np.float16)[0] == 0
+    assert not np.any(gguf_dequantize(theirs, qtype("Q8_0")))
+    assert np.frombuffer(ours[0, :2].tobytes(), np.float16)[0] == np.float16(2.0 ** -24)
+    back = gguf_dequantize(ours, qtype("Q8_0"))
+    assert np.array_equal(back, v) and np.abs(back - W).max() <= 2.0 ** -25
+    for fmt in ("Q4_0", "Q4_1"):  # and the same for the 4-bit formats
+        g = fit_block_grid(W * 1e-2, fmt)
+        v, c = g.rtn(W * 1e-2)
+        back = gguf_dequantize(g.to_blocks(c), qtype(fmt))
+        assert np.array_equal(bits(back), bits(v))

@@ -133,7 +133,9 @@ class Q8_0Grid(BlockGrid):
         b = _blocks(W, cls.format)
         d = np.abs(b).max(axis=-1) / np.float32(127)
         d16 = _fp16(d, "scale", cls.format)
-        return cls(np.where(d16 > 0, d16, _FP16_TINY), d_fit=d)
+        d16 = np.where(d16 > 0, d16, _FP16_TINY)
+        # where the fp16 scale underflowed, round (RTN too) with the scale that is stored
+        return cls(d16, d_fit=np.where(d16 == _FP16_TINY, np.float32(_FP16_TINY), d))
 
     def rtn(self, W):
         """llama.cpp's round-to-nearest (ties away from zero, with the unrounded scale)."""
@@ -187,7 +189,8 @@ class Q4_0Grid(BlockGrid):
         d = np.take_along_axis(b, imax, axis=-1)[..., 0] / np.float32(-8)
         d16 = _fp16(d, "scale", cls.format)
         tiny = np.where(np.signbit(d), -_FP16_TINY, _FP16_TINY)
-        return cls(np.where(d16 != 0, d16, tiny), d_fit=d)
+        under = d16 == 0  # round (RTN too) with the scale that is stored there
+        return cls(np.where(under, tiny, d16), d_fit=np.where(under, tiny.astype(np.float32), d))
 
     def rtn(self, W):
         """llama.cpp's round-to-nearest: ``trunc(w / d + 8.5)`` with the unrounded ``d``."""
