@@ -1,5 +1,6 @@
 """write_gguf: every written tensor read back with gguf's reader and de-quantization."""
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -318,3 +319,19 @@ def test_smollm2_real_file(tmp_path):
             assert tensor.tensor_type == t_src[name].tensor_type
             assert np.array_equal(np.asarray(tensor.data).view(np.uint8),
                                   np.asarray(t_src[name].data).view(np.uint8))
+
+
+def test_unreadable_tensor_type_is_refused(tiny, tmp_path):
+    w, src = tiny
+    raw = bytearray(src.read_bytes())
+    name = b"blk.1.attn_norm.weight"
+    at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", raw, at)
+    raw[at + 4 + 8 * n_dims:at + 8 + 8 * n_dims] = struct.pack("<I", 250)  # no such GGML type
+    bad = tmp_path / "badtype.gguf"
+    bad.write_bytes(bytes(raw))
+    W = w["blk.0.ffn_up.weight"]
+    grid = fit_block_grid(W, "Q8_0")
+    with pytest.raises(InputError, match="not a readable GGUF file"):
+        write_gguf(tmp_path / "o.gguf", bad, {"blk.0.ffn_up": (grid.rtn(W)[0], grid)})
+    assert not (tmp_path / "o.gguf").exists()
