@@ -224,7 +224,7 @@ def test_bad_input_writes_nothing(tiny, tmp_path):
         ({"blk.0.ffn_down": (W_hat, grid)}, ValueError,
          r"shape \(96, 64\) but the source tensor 'blk.0.ffn_down.weight' is \(64, 96\)"),
         ({"blk.0.ffn_up": (W_hat, bakron.UniformQuantizer.fit(W, 4))}, ValueError,
-         "not one"),
+         "one scale per 32 inputs, this grid has row scales"),
         ({"blk.0.ffn_up": (W_hat + 1e-3, grid)}, ValueError, "not on this Q4_0 grid"),
         ({}, ValueError, "non-empty dict"),
         ({"blk.0.ffn_up": W_hat}, TypeError, "pair"),

@@ -212,3 +212,52 @@ def test_scale_underflowing_float16_keeps_a_grid():
         v, c = g.rtn(W * 1e-2)
         back = gguf_dequantize(g.to_blocks(c), qtype(fmt))
         assert np.array_equal(bits(back), bits(v))
+
+
+def _fp16_scales(W, bits, symmetric):
+    q = bakron.UniformQuantizer.fit(W, bits, symmetric=symmetric, granularity="group",
+                                    group_size=32)
+    return np.asarray(q.scale, np.float32).astype(np.float16).astype(np.float64)
+
+
+@pytest.mark.parametrize("bits,symmetric,fmt", [(8, True, "Q8_0"), (4, True, "Q4_0"),
+                                                (4, False, "Q4_1")])
+def test_uniform_quantizers_that_a_format_stores(bits, symmetric, fmt):
+    from bakron.export import as_block_grid
+    W = weights(8, m=16, n=64).astype(np.float64)
+    s = _fp16_scales(W, bits, symmetric)
+    if symmetric:
+        q = bakron.UniformQuantizer(bits, s, symmetric=True, group_size=32)
+    else:  # power-of-two steps keep -scale * zero in fp16
+        s = 2.0 ** np.round(np.log2(s))
+        z = np.random.default_rng(0).integers(0, 16, size=s.shape).astype(np.float64)
+        q = bakron.UniformQuantizer(bits, s, symmetric=False, zero_point=z, group_size=32)
+    res = bakron.quantize_layer(W, spd(64, 1), spd(16, 2), quantizer=q, tile=8)
+    grid = as_block_grid(q)
+    assert grid.format == fmt
+    back = gguf_dequantize(grid.to_blocks(grid.encode(res.values)), qtype(fmt))
+    assert np.array_equal(back.astype(np.float64), res.values)
+
+
+def test_uniform_quantizers_that_no_format_stores():
+    from bakron.export import as_block_grid
+    W = weights(9, m=8, n=64).astype(np.float64)
+    s = _fp16_scales(W, 4, True)
+    cases = [
+        (bakron.UniformQuantizer.fit(W, 4), None, "per 32 inputs, this grid has row scales"),
+        (bakron.UniformQuantizer(4, s[:, :1].repeat(1, 1), symmetric=True, group_size=64),
+         None, "group_size 64"),
+        (bakron.UniformQuantizer(3, s, symmetric=True, group_size=32), None, "3-bit codes"),
+        (bakron.UniformQuantizer(8, s, symmetric=False, group_size=32), None,
+         "asymmetric 8-bit"),
+        (bakron.UniformQuantizer(4, s * 1.0001, symmetric=True, group_size=32), None,
+         "not float16"),
+        (bakron.UniformQuantizer(4, s, symmetric=False, zero_point=np.full(s.shape, 5.0),
+                                 group_size=32), "Q4_0", "as Q4_0: Q4_0's zero point is 8"),
+        (bakron.UniformQuantizer(4, s, symmetric=True, group_size=32), "Q8_0", "as Q8_0"),
+        (Q8_0Grid.fit(W), "Q4_0", "a Q8_0 grid, not Q4_0"),
+        (object(), None, "not one of their grids"),
+    ]
+    for q, fmt, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            as_block_grid(q, fmt)

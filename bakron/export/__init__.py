@@ -4,13 +4,13 @@
 grids; the writers turn a quantized layer's ``W_hat`` into the format's bytes without loss.
 """
 from .grids import (BLOCK, GGUF_FORMATS, BlockGrid, Q4_0Grid, Q4_1Grid, Q8_0Grid,
-                    fit_block_grid, grid_for_format)
+                    as_block_grid, fit_block_grid, grid_for_format)
 from .gguf_writer import GGUFSource, qk_permutation, write_gguf
 from ._hf import hf_linear_name
 from .float_export import write_dequantized
 from .gptq import GPTQGrid, as_gptq_grid, write_gptq
 
 __all__ = ["BLOCK", "GGUF_FORMATS", "BlockGrid", "Q4_0Grid", "Q4_1Grid", "Q8_0Grid",
-           "fit_block_grid", "grid_for_format", "GGUFSource", "qk_permutation", "write_gguf",
+           "fit_block_grid", "grid_for_format", "as_block_grid", "GGUFSource", "qk_permutation", "write_gguf",
            "GPTQGrid", "as_gptq_grid", "hf_linear_name", "write_gptq",
            "write_dequantized"]

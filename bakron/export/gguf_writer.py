@@ -23,7 +23,7 @@ import numpy as np
 
 from ..io import InputError
 from ._files import atomic_output_file, check_output_file, layer_parts
-from .grids import BlockGrid
+from .grids import as_block_grid
 
 __all__ = ["GGUFSource", "write_gguf", "qk_permutation"]
 
@@ -228,12 +228,11 @@ def write_gguf(out, source, layers: dict, *, qk_order: str = "hf", force: bool =
             raise InputError(f"layer {key!r}: the source has no tensor {tname!r}")
         if tname in encoded:
             raise ValueError(f"layer {key!r} is given twice")
-        W_hat, grid = layer_parts(key, layer)
-        if not isinstance(grid, BlockGrid):
-            raise ValueError(
-                f"layer {key!r}: GGUF stores llama.cpp block formats, and its quantizer "
-                f"{grid!r} is not one (a GGUF block has 32 inputs and an fp16 scale); quantize "
-                f"with bakron.export.fit_block_grid(W, 'Q4_0' | 'Q4_1' | 'Q8_0')")
+        W_hat, quantizer = layer_parts(key, layer)
+        try:
+            grid = as_block_grid(quantizer)
+        except ValueError as exc:
+            raise ValueError(f"layer {key!r}: {exc}") from None
         shape = _shape(gguf, by_name[tname])
         if tuple(W_hat.shape) != shape:
             raise ValueError(f"layer {key!r}: W_hat has shape {W_hat.shape} but the source "

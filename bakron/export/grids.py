@@ -27,7 +27,7 @@ from ..quantizers import UniformQuantizer
 from ._files import encode_on_grid
 
 __all__ = ["BLOCK", "GGUF_FORMATS", "BlockGrid", "Q8_0Grid", "Q4_0Grid", "Q4_1Grid",
-           "fit_block_grid", "grid_for_format"]
+           "fit_block_grid", "grid_for_format", "as_block_grid"]
 
 BLOCK = 32
 # The smallest positive float16 (a subnormal): the scale of a block whose fp16 scale would
@@ -313,3 +313,53 @@ def grid_for_format(fmt: str) -> type[BlockGrid]:
 def fit_block_grid(W, fmt: str) -> BlockGrid:
     """Fit the grid of GGUF block format ``fmt`` to ``W`` (m outputs x n inputs) by its rules."""
     return grid_for_format(fmt).fit(W)
+
+
+def _is_fp16(t) -> bool:
+    return bool(np.all(np.asarray(t, np.float64).astype(np.float16).astype(np.float64) == t))
+
+
+def as_block_grid(quantizer, fmt: str | None = None) -> BlockGrid:
+    """``quantizer`` as a GGUF block grid (of format ``fmt`` when given), or ``ValueError``.
+
+    Block grids pass through. A :class:`~bakron.UniformQuantizer` converts when a format
+    stores exactly its values: scales per group of 32 inputs, in fp16, and 8-bit symmetric
+    codes (``Q8_0``), 4-bit symmetric codes or zero points 8 (``Q4_0``), or 4-bit codes with
+    integer zero points ``z`` and fp16 ``-scale * z`` (``Q4_1``). The message says which
+    condition fails.
+    """
+    want = None if fmt is None else grid_for_format(fmt).format
+    if isinstance(quantizer, BlockGrid):
+        if want is not None and quantizer.format != want:
+            raise ValueError(f"the layer was rounded onto a {quantizer.format} grid, not {want}")
+        return quantizer
+    if type(quantizer) is not UniformQuantizer:
+        raise ValueError(f"GGUF stores llama.cpp block formats; {quantizer!r} is not one of "
+                         f"their grids (fit one with bakron.export.fit_block_grid(W, fmt))")
+    q = quantizer
+    prefix = f"GGUF cannot store {q!r}"
+    if q.granularity != "group" or q.group_size != BLOCK:
+        raise ValueError(f"{prefix}: its blocks have one scale per {BLOCK} inputs, this grid "
+                         f"has {q.granularity} scales"
+                         + (f" with group_size {q.group_size}" if q.group_size else ""))
+    s = q._scale
+    if not _is_fp16(s):
+        raise ValueError(f"{prefix}: its scales are not float16 numbers (GGUF stores fp16)")
+    if q.bits == 8 and q.symmetric and want in (None, "Q8_0"):
+        return Q8_0Grid(s)
+    if q.bits != 4 or want == "Q8_0":
+        kind = "asymmetric 8-bit" if q.bits == 8 else f"{q.bits}-bit"
+        raise ValueError(f"{prefix}" + (f" as {want}" if want else "") + f": Q4_0/Q4_1 store "
+                         f"4-bit codes and Q8_0 symmetric 8-bit codes; this grid has "
+                         f"{kind} codes")
+    z = np.full(s.shape, 8.0) if q.symmetric else np.broadcast_to(q._zero, s.shape)
+    if want in (None, "Q4_0") and np.all(z == 8):
+        return Q4_0Grid(s)
+    if want in (None, "Q4_1") and np.all(z == np.round(z)) and np.all((z >= 0) & (z <= 15)):
+        m = -s * z
+        if _is_fp16(m):
+            return Q4_1Grid(s, m + 0.0)
+        raise ValueError(f"{prefix}: Q4_1 would need the minimum -scale * zero in fp16, which "
+                         f"it is not")
+    raise ValueError(f"{prefix}" + (f" as {want}" if want else "") + ": Q4_0's zero point is "
+                     "8 and Q4_1's needs integer zero points in 0..15")
