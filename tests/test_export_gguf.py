@@ -335,3 +335,27 @@ def test_unreadable_tensor_type_is_refused(tiny, tmp_path):
     with pytest.raises(InputError, match="not a readable GGUF file"):
         write_gguf(tmp_path / "o.gguf", bad, {"blk.0.ffn_up": (grid.rtn(W)[0], grid)})
     assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOLLM2.is_file(), reason="SmolLM2 GGUF not available "
+                    "(set BAKRON_SMOLLM2_GGUF to its path)")
+def test_smollm2_q4_0_export_read_by_the_llm_loader(tmp_path):
+    """All 210 linears in Q4_0 (llama.cpp RTN), given in the loader's Hugging Face order: the
+    LLM loader reads back exactly W_hat, and the forward of the written file equals the
+    in-memory quantized model's bit for bit."""
+    llm = pytest.importorskip("bakron.models.llm")
+    orig = llm.load_llm(SMOLLM2)
+    layers = {}
+    for name in orig.linear_names():
+        W = np.asarray(orig.weights[name + ".weight"])
+        grid = fit_block_grid(W, "Q4_0")
+        layers[name] = (np.asarray(grid.rtn(W)[0]), grid)
+    out = write_gguf(tmp_path / "smol.Q4_0.gguf", SMOLLM2, layers)
+    back = llm.load_llm(out)
+    for name, (W_hat, _g) in layers.items():
+        assert np.array_equal(np.asarray(back.weights[name + ".weight"]), W_hat)
+    in_memory = orig.with_weights({k: v for k, (v, _g) in layers.items()})
+    ids = orig.tokenize(["Rounding the weights of a language model onto a grid."])[0]
+    assert np.array_equal(np.asarray(back.log_probs(ids)), np.asarray(in_memory.log_probs(ids)))
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == 2  # MOSTLY_Q4_0
