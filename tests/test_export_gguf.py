@@ -359,3 +359,18 @@ def test_smollm2_q4_0_export_read_by_the_llm_loader(tmp_path):
     ids = orig.tokenize(["Rounding the weights of a language model onto a grid."])[0]
     assert np.array_equal(np.asarray(back.log_probs(ids)), np.asarray(in_memory.log_probs(ids)))
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == 2  # MOSTLY_Q4_0
+
+
+def test_hf_order_needs_the_head_counts(tmp_path):
+    w = hf_weights()
+    meta = {k: v for k, v in METADATA.items() if "head_count" not in k}
+    W = w["blk.0.ffn_up.weight"]
+    grid = fit_block_grid(W, "Q8_0")
+    layers = {"blk.0.ffn_up": (grid.rtn(W)[0], grid)}
+    with pytest.raises(InputError, match="head_count.*cannot permute blk.0.attn_q.weight"):
+        write_gguf(tmp_path / "a.gguf", GGUFSource("llama", meta, w), layers)
+    # in llama.cpp's order already, or another architecture: nothing to permute
+    write_gguf(tmp_path / "b.gguf", GGUFSource("llama", meta, w, qk_order="gguf"), layers)
+    write_gguf(tmp_path / "c.gguf", GGUFSource("qwen3", meta, w), layers)
+    t = read_back(tmp_path / "c.gguf")[2]
+    assert np.array_equal(dequant(t["blk.0.attn_q.weight"]), w["blk.0.attn_q.weight"])

@@ -82,6 +82,8 @@ def _metadata_value(gguf, key, value):
         if vtype == T.ARRAY and value:
             sub = _scalar_type(T, key, value[0])
         return value, vtype, sub
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"metadata {key!r}: GGUF cannot store an empty array")
@@ -109,7 +111,7 @@ class _Tensor:
 
 
 def _read_source(gguf, source):
-    """(arch, [(key, value, vtype, sub_type)], [_Tensor], qk_order, source path or None)."""
+    """(arch, [(key, value, vtype, sub_type)], [_Tensor], qk_order, alignment or None)."""
     if isinstance(source, GGUFSource):
         if not isinstance(source.arch, str) or not source.arch:
             raise ValueError("GGUFSource.arch must be a non-empty string (e.g. 'llama')")
@@ -154,7 +156,7 @@ def _read_source(gguf, source):
         raise InputError(f"{path}: no general.architecture in the GGUF metadata")
     tensors = [_Tensor(t.name, t.data, t.tensor_type) for t in reader.tensors]
     align = reader.fields.get("general.alignment")
-    return arch, kvs, tensors, "gguf", (path, None if align is None else align.contents())
+    return arch, kvs, tensors, "gguf", None if align is None else int(align.contents())
 
 
 def _shape(gguf, t: _Tensor) -> tuple:
@@ -198,7 +200,7 @@ def write_gguf(out, source, layers: dict, *, qk_order: str = "hf", force: bool =
     gguf = _gguf()
     src_path = None if isinstance(source, GGUFSource) else source
     out = check_output_file(out, src_path, force=force)
-    arch, kvs, tensors, src_order, file_info = _read_source(gguf, source)
+    arch, kvs, tensors, src_order, alignment = _read_source(gguf, source)
     by_name = {t.name: t for t in tensors}
 
     n_head, n_kv = _head_counts(arch, kvs)
@@ -211,9 +213,10 @@ def write_gguf(out, source, layers: dict, *, qk_order: str = "hf", force: bool =
         if kind not in ("attn_q", "attn_k"):
             return None
         heads = n_head if kind == "attn_q" else (n_kv or n_head)
-        if heads is None:
-            raise InputError(f"{arch}.attention.head_count is missing from the metadata: "
-                             f"cannot permute {tensor_name} into llama.cpp's row order")
+        if not isinstance(heads, numbers.Integral):
+            raise InputError(f"{arch}.attention.head_count(_kv) is missing from the metadata "
+                             f"or not one number ({heads!r}): cannot permute {tensor_name} "
+                             f"into llama.cpp's row order")
         try:
             return qk_permutation(rows, int(heads))
         except ValueError as exc:
@@ -261,8 +264,8 @@ def write_gguf(out, source, layers: dict, *, qk_order: str = "hf", force: bool =
     with atomic_output_file(out, force=force) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         try:
-            if file_info is not None and file_info[1] is not None:
-                writer.data_alignment = int(file_info[1])
+            if alignment is not None:
+                writer.data_alignment = alignment
             for key, value, vtype, sub in kvs:
                 writer.add_key_value(key, value, vtype, sub_type=sub)
             for t in plan:
