@@ -90,7 +90,8 @@ class GPTQGrid(UniformQuantizer):
 
         ``group_size=None`` (GPTQ's -1) is one group per row. ``min_zero=1`` keeps every
         asymmetric zero point >= 1, which the v1 checkpoint layout needs (it stores
-        ``zero - 1`` in ``bits`` bits); pass 0 for a ``gptq_v2`` export.
+        ``zero - 1`` in ``bits`` bits): a group whose rule gives zero 0 gets zero 1 and the
+        step ``max / (2**bits - 2)``. Pass 0 for a ``gptq_v2`` export.
         """
         bits = _check_bits(bits)
         Wn = np.asarray(_xp.to_numpy(W))
@@ -117,15 +118,20 @@ class GPTQGrid(UniformQuantizer):
         both = (xmin == 0) & (xmax == 0)
         xmin, xmax = np.where(both, -1, xmin), np.where(both, 1, xmax)
         scale = (xmax - xmin) / np.float32(maxq)
+        if sym:
+            zero = np.full(scale.shape, 2.0 ** (bits - 1))
+        else:
+            zero = np.round(-xmin / scale)
+            # a group with (almost) no negative weight would get zero 0; with min_zero = 1 it
+            # gets zero 1 and the step that still reaches its largest weight
+            low = zero < min_zero
+            scale = np.where(low, xmax / np.float32(maxq - min_zero), scale)
+            zero = np.where(low, float(min_zero), zero)
         with np.errstate(over="ignore"):
             s16 = scale.astype(np.float16).astype(np.float64)
         if not np.all(np.isfinite(s16)):
             raise ValueError("W has a group whose GPTQ scale overflows float16")
         s16 = np.where(s16 > 0, s16, _FP16_TINY)
-        if sym:
-            zero = np.full(s16.shape, 2.0 ** (bits - 1))
-        else:
-            zero = np.clip(np.round(-xmin / scale), min_zero, maxq)
         return cls(bits, s16, zero, None if per_row else g)
 
 
