@@ -18,7 +18,11 @@ HF_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate
 
 
 def hf_linear_name(name: str) -> str:
-    """The Hugging Face module name of a linear: ``blk.3.attn_q`` -> ``model.layers.3.self_attn.q_proj``."""
+    """The Hugging Face module name of a linear given by its GGUF name.
+
+    ``blk.3.attn_q`` (or ``blk.3.attn_q.weight``) -> ``model.layers.3.self_attn.q_proj``;
+    other names come back unchanged (without ``.weight``).
+    """
     name = name[:-len(".weight")] if name.endswith(".weight") else name
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", name)
     if m and m.group(2) in _GGUF_TO_HF:
