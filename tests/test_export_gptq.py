@@ -7,7 +7,7 @@ import pytest
 
 import bakron
 from bakron import _safetensors
-from bakron.export import GPTQGrid, as_gptq_grid, hf_linear_name, write_gptq
+from bakron.export import GPTQGrid, as_gptq_grid, hf_linear_name, read_gptq, write_gptq
 from bakron.io import InputError, OutputExistsError
 
 D, FF, KV_ROWS, LAYERS, VOCAB = 128, 256, 64, 2, 48
@@ -65,7 +65,7 @@ def bf16_to_f32(u16):
 
 # -- a tiny Hugging Face folder -----------------------------------------------------------
 
-def make_folder(path, seed=0, shards=False):
+def make_folder(path, seed=0, shards=False, bias=False):
     rng = np.random.default_rng(seed)
     path.mkdir()
     w = {"model.embed_tokens.weight": rng.standard_normal((VOCAB, D)),
@@ -76,6 +76,8 @@ def make_folder(path, seed=0, shards=False):
         w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * rng.standard_normal(D)
         for name, shape in LINEARS.items():
             w[p + name + ".weight"] = 0.05 * rng.standard_normal(shape)
+            if bias and name.startswith("self_attn.") and name != "self_attn.o_proj":
+                w[p + name + ".bias"] = 0.1 * rng.standard_normal(shape[0])  # as Qwen2 has
     # stored as BF16 (bit patterns, rounded by truncation: the stored numbers are what count)
     stored = {k: (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
               for k, v in w.items()}
@@ -144,6 +146,14 @@ def test_round_trip_through_independent_reader(tmp_path, bits, group_size, sym):
         if not name.endswith("_proj.weight"):
             arr, dt = t[name]
             assert dt == "BF16" and np.array_equal(bf16_to_f32(arr), w[name])
+    # the library's own reader (for bakron's forward on the export) agrees
+    dense = read_gptq(out)
+    assert sorted(dense) == sorted(w)
+    for name in w:
+        key = name[:-len(".weight")]
+        want = values(layers[key]) if key in layers else w[name]
+        assert dense[name].dtype == np.float32
+        assert np.array_equal(dense[name].astype(np.float64), np.asarray(want, np.float64))
     cfg = json.loads((out / "config.json").read_text())
     q = cfg["quantization_config"]
     assert q == json.loads((out / "quantize_config.json").read_text())
@@ -181,13 +191,15 @@ def test_gptq_v2_and_zero_point_zero(tmp_path):
             "model.layers.0.mlp.down_proj": layers[name[:-7]]}), checkpoint_format="gptq_v2")
     out = write_gptq(tmp_path / "v2", tmp_path / "src", layers, checkpoint_format="gptq_v2")
     t = read_safetensors(out / "model.safetensors")
+    dense = read_gptq(out)
     for key, layer in layers.items():
         got = dequantize_gptq(t, key, 4, fmt="gptq_v2")
         assert np.array_equal(got.astype(np.float64), values(layer))
+        assert np.array_equal(dense[key + ".weight"], got)
 
 
 def test_sharded_source_gguf_names_and_uniform_quantizers(tmp_path):
-    w = make_folder(tmp_path / "src", seed=2, shards=True)
+    w = make_folder(tmp_path / "src", seed=2, shards=True, bias=True)
     layers = {}
     for name in w:
         if name.endswith("_proj.weight"):
@@ -209,6 +221,11 @@ def test_sharded_source_gguf_names_and_uniform_quantizers(tmp_path):
         got = dequantize_gptq(t, hf_linear_name(key), 4)
         assert np.array_equal(got.astype(np.float64), W_hat)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["sym"] is True
+    dense = read_gptq(out)
+    biases = [n for n in w if n.endswith(".bias")]
+    assert len(biases) == 3 * LAYERS
+    for n in biases:  # biases stay next to the packed weights, in their stored dtype
+        assert t[n][1] == "BF16" and np.array_equal(dense[n], w[n])
 
 
 def UniformFit(W):
@@ -296,3 +313,18 @@ def test_fit_follows_gptqs_min_max_rule():
     assert np.array_equal(s._scale, (2 * amax / np.float32(15)).astype(np.float16)
                           .astype(np.float64))
     assert np.all(s._zero == 8) and s.sym
+
+
+def test_read_gptq_refusals(tmp_path):
+    make_folder(tmp_path / "plain")
+    with pytest.raises(InputError, match="no GPTQ quantization_config"):
+        read_gptq(tmp_path / "plain")
+    w = make_folder(tmp_path / "src")
+    out = write_gptq(tmp_path / "out", tmp_path / "src", quantize_all(w, 4, 64, True, False))
+    data = read_safetensors(out / "model.safetensors")
+    kept = {k: v[0] for k, v in data.items() if not k.endswith("q_proj.g_idx")}
+    bf16 = {k for k, v in data.items() if v[1] == "BF16"}
+    _safetensors.save(out / "model.safetensors", {k: np.array(v) for k, v in kept.items()},
+                      bf16=bf16)
+    with pytest.raises(InputError, match="q_proj' lacks 'model.layers.0.self_attn.q_proj.g_idx'"):
+        read_gptq(out)

@@ -30,8 +30,12 @@ def hf_linear_name(name: str) -> str:
     return name
 
 
-def read_folder(src: Path):
-    """(config dict, {name: (array, dtype string)}, other files) of a HF model folder."""
+def read_folder(src: Path, *, quantized: bool = False):
+    """(config dict, {name: (array, dtype string)}, other files) of a HF model folder.
+
+    A folder whose config has a ``quantization_config`` is refused unless ``quantized``.
+    """
+    src = Path(src)
     if not src.is_dir():
         raise InputError(f"{src}: not a model folder")
     cfg_path = src / "config.json"
@@ -41,7 +45,7 @@ def read_folder(src: Path):
         config = json.loads(cfg_path.read_text())
     except ValueError as exc:
         raise InputError(f"{cfg_path}: not valid JSON ({exc})") from None
-    if "quantization_config" in config:
+    if "quantization_config" in config and not quantized:
         raise InputError(f"{src}: the model is already quantized "
                          f"({config['quantization_config'].get('quant_method', '?')})")
     index = src / "model.safetensors.index.json"

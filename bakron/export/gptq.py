@@ -29,7 +29,7 @@ from ..quantizers import UniformQuantizer
 from ._files import encode_on_grid, layer_parts
 from ._hf import HF_LINEAR, as_stored, hf_linear_name, read_folder
 
-__all__ = ["GPTQGrid", "as_gptq_grid", "pack_rows", "write_gptq", "hf_linear_name",
+__all__ = ["GPTQGrid", "as_gptq_grid", "pack_rows", "unpack_rows", "write_gptq", "read_gptq",
            "GPTQ_BITS", "CHECKPOINT_FORMATS"]
 
 GPTQ_BITS = (2, 4, 8)
@@ -187,6 +187,16 @@ def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
     return words.view(np.int32)
 
 
+def unpack_rows(words: np.ndarray, bits: int) -> np.ndarray:
+    """The inverse of :func:`pack_rows`: int32 (k, c) -> unsigned int64 (k * 32 / bits, c)."""
+    u = np.asarray(words).astype(np.int64) & 0xFFFFFFFF
+    per = 32 // bits
+    out = np.empty((u.shape[0] * per,) + u.shape[1:], dtype=np.int64)
+    for j in range(per):
+        out[j::per] = (u >> (bits * j)) & ((1 << bits) - 1)
+    return out
+
+
 def _pack_layer(prefix, W_hat, grid, checkpoint_format, key):
     codes = grid.encode(W_hat, name=f"layer {key!r}: W_hat")
     m, n = codes.shape
@@ -299,3 +309,47 @@ def write_gptq(out, source, layers: dict, *, checkpoint_format: str = "gptq",
         for f in others:
             shutil.copy2(f, tmp / f.name)
     return out_path
+
+
+def read_gptq(folder) -> dict:
+    """The weights of a GPTQ-packed folder as float32 arrays, quantized linears de-quantized.
+
+    ``{name: array}`` under the Hugging Face names, each packed linear ``P`` as
+    ``P.weight = scale * (q - zero)`` (exact in float32; the layout of :func:`write_gptq`, v1
+    or v2 zero points, any ``g_idx``); every other tensor as stored (BF16 widened exactly to
+    float32).
+    """
+    folder = Path(folder)
+    config, tensors, _ = read_folder(folder, quantized=True)
+    qcfg = config.get("quantization_config") or {}
+    if qcfg.get("quant_method") != "gptq":
+        raise InputError(f"{folder}: config.json has no GPTQ quantization_config")
+    bits = qcfg.get("bits")
+    fmt = qcfg.get("checkpoint_format", "gptq")
+    if bits not in GPTQ_BITS or fmt not in CHECKPOINT_FORMATS:
+        raise InputError(f"{folder}: GPTQ with bits={bits!r} and checkpoint_format={fmt!r} is "
+                         f"not readable here (bits {GPTQ_BITS}, formats {CHECKPOINT_FORMATS})")
+    out = {}
+    packed = {n[:-len(".qweight")] for n in tensors if n.endswith(".qweight")}
+    for p in sorted(packed):
+        try:
+            q = unpack_rows(tensors[p + ".qweight"][0], bits)             # (in, out)
+            z = unpack_rows(tensors[p + ".qzeros"][0].T, bits).T          # (groups, out)
+            s = np.asarray(tensors[p + ".scales"][0], dtype=np.float32)   # (groups, out)
+            g = np.asarray(tensors[p + ".g_idx"][0], dtype=np.int64)      # (in,)
+        except KeyError as exc:
+            raise InputError(f"{folder}: packed linear {p!r} lacks {exc}") from None
+        if fmt == "gptq":
+            z = z + 1
+        if q.shape[0] != g.shape[0] or g.min() < 0 or g.max() >= s.shape[0] or \
+                z.shape != s.shape or q.shape[1] != s.shape[1]:
+            raise InputError(f"{folder}: packed linear {p!r} has inconsistent shapes "
+                             f"(qweight {q.shape}, qzeros {z.shape}, scales {s.shape}, "
+                             f"g_idx {g.shape})")
+        out[p + ".weight"] = np.ascontiguousarray((s[g] * (q - z[g]).astype(np.float32)).T)
+    for name, (arr, _dtype) in tensors.items():
+        base, _, leaf = name.rpartition(".")
+        if base in packed and leaf in ("qweight", "qzeros", "scales", "g_idx"):
+            continue
+        out[name] = np.asarray(arr, dtype=np.float32) if arr.dtype.kind == "f" else arr
+    return out
