@@ -33,6 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from . import _safetensors
+from ._lib.errors import InputError, OutputExistsError
+from ._lib.fs import (atomic_write_bytes, atomic_write_json, atomic_write_text,
+                      fsync_path as _fsync_path, umask as _umask)
 
 __all__ = [
     "LAYER_SUFFIXES", "InputError", "OutputExistsError", "LayerInfo", "find_layer_files",
@@ -46,12 +49,6 @@ FORMATS = ("safetensors", "npz")
 _FLOATS = (np.float16, np.float32, np.float64)
 
 
-class InputError(ValueError):
-    """An input file or folder is missing, unreadable or holds invalid data."""
-
-
-class OutputExistsError(FileExistsError):
-    """The output path exists and overwriting was not allowed."""
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -270,20 +267,6 @@ def dequantize(codes, scale, zero_point=None, group_size: int | None = None, dty
     return s * c if zero_point is None else s * (c - expand(zero_point))
 
 
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:  # e.g. directories on platforms that cannot open them
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(root) -> None:
     """Flush every file and folder under ``root`` (and ``root`` itself) to disk."""
     root = Path(root)
@@ -346,63 +329,12 @@ def atomic_output_dir(out, *, force: bool = False):
         raise
 
 
-def _umask() -> int:
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-
-
-def atomic_write_bytes(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_path(path.parent, directory=True)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path, text: str) -> None:
-    """:func:`atomic_write_bytes` for UTF-8 text."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path, obj) -> None:
-    """:func:`atomic_write_text` of ``obj`` as indented JSON (NaN written as null)."""
-    atomic_write_text(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        f = float(obj)
-        return f if np.isfinite(f) else None
-    if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 # -- devices ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import traceback
 
 import numpy as np
 
+from .._lib.errors import InputError
 from ._jobs import LayerJob, canonical_settings, load_tensor
 from ._outputs import layer_path, now_iso, verify_layer_file, write_layer_file
 
@@ -22,10 +23,6 @@ __all__ = ["run_job", "InputError"]
 
 #: exceptions that mean "this layer's inputs or settings are bad": reported, not retried
 _INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, IsADirectoryError)
-
-
-class InputError(ValueError):
-    """An input changed or does not fit (reported as a failed layer, never retried)."""
 
 
 def _worker_info() -> dict:
