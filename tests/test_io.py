@@ -242,6 +242,10 @@ def test_atomic_output_dir_exists(tmp_path):
     with pytest.raises(io.OutputExistsError, match="already exists; use --force"):
         with io.atomic_output_dir(out):
             pass  # pragma: no cover
+    with pytest.raises(io.OutputExistsError, match="not a bakron output folder"):
+        with io.atomic_output_dir(out, force=True):
+            pass  # pragma: no cover
+    (out / "report.json").write_text('{"tool": "bakron quantize"}')  # now it is bakron's
     # force: a failed build keeps the old folder, a finished one replaces it
     with pytest.raises(RuntimeError):
         with io.atomic_output_dir(out, force=True) as tmp:
@@ -252,6 +256,10 @@ def test_atomic_output_dir_exists(tmp_path):
         (tmp / "new").write_text("new")
     assert (out / "new").read_text() == "new" and not (out / "keep").exists()
     assert _leftovers(tmp_path, "out") == []
+    (out / "new").unlink()  # an empty folder may be replaced too
+    with io.atomic_output_dir(out, force=True) as tmp:
+        (tmp / "x").write_text("x")
+    assert (out / "x").exists()
 
 
 def test_atomic_output_dir_appearing_meanwhile(tmp_path):

@@ -204,15 +204,16 @@ def _load_np(ref: TensorRef) -> np.ndarray:
         if ref.name is not None:
             raise ValueError(f"{ref.path}: a .npy file holds one array; drop '::{ref.name}'")
         return np.load(ref.path, mmap_mode="r", allow_pickle=False)
-    with np.load(ref.path, allow_pickle=False) as z:
-        if ref.name is None:
-            if len(z.files) != 1:
-                raise ValueError(f"{ref.path}: holds {len(z.files)} arrays; name one with "
-                                 f"'{ref.path}::NAME' (arrays: {z.files})")
-            return z[z.files[0]]
-        if ref.name not in z.files:
-            raise KeyError(f"{ref.path}: no array named {ref.name!r} (arrays: {z.files})")
-        return z[ref.name]
+    from ..io import npz_names, read_npz  # the one bounded, pickle-free npz reader
+
+    name = ref.name
+    if name is None:
+        files = npz_names(ref.path)
+        if len(files) != 1:
+            raise ValueError(f"{ref.path}: holds {len(files)} arrays; name one with "
+                             f"'{ref.path}::NAME' (arrays: {files})")
+        name = files[0]
+    return read_npz(ref.path, [name])[name]
 
 
 def load_tensor(ref: TensorRef) -> tuple[np.ndarray, str]:
@@ -304,8 +305,9 @@ def _names_in(path: str) -> list[str]:
 
         return [k for k in _safetensors.read_header(path)[0] if k != "__metadata__"]
     if kind == ".npz":
-        with np.load(path, allow_pickle=False) as z:
-            return list(z.files)
+        from ..io import npz_names
+
+        return npz_names(path)
     raise ValueError(f"{path}: a layer file is .npz or .safetensors")
 
 
