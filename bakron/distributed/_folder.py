@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ._jobs import jobs_from_path
+from ._jobs import jobs_from_path, tensor_shape
 from ._outputs import LockHeld
 from ._run import (EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_UNAVAILABLE, EXIT_USAGE,
                    EXIT_WRITE_FAILED, run_layers)
@@ -45,6 +45,25 @@ def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int
     except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
         _err(str(exc))
         return EXIT_USAGE
+    tile = (jobs[0].settings.get("tile") if jobs else None) or [16, 16]
+    for j in jobs:  # a tile larger than a layer: a usage error before anything is written
+        try:
+            m, n = tensor_shape(j.W)[:2]
+        except (ValueError, KeyError, FileNotFoundError) as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        if tile[0] > m or tile[1] > n:
+            _err(f"--tile {tile[0]}x{tile[1]} is larger than layer {j.name} ({m} x {n}); use a "
+                 f"tile no larger than the smallest layer")
+            return EXIT_USAGE
+    if gpus:
+        from .cluster import visible_gpus
+
+        have = len(visible_gpus())
+        if have < int(gpus):
+            _err(f"--gpus {gpus}: this machine shows {have} GPU{'s' if have != 1 else ''} "
+                 f"(CUDA_VISIBLE_DEVICES / nvidia-smi)")
+            return EXIT_UNAVAILABLE
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.isfile(out_dir):
         _err(f"--out {out_dir} is a file; give a folder")

@@ -243,6 +243,16 @@ def load_tensor(ref: TensorRef) -> tuple[np.ndarray, str]:
     return np.array(c), "sha256:" + h.hexdigest()
 
 
+def tensor_shape(ref: TensorRef) -> tuple:
+    """A tensor's shape from its file's header, without reading the data."""
+    ref = TensorRef.parse(ref)
+    if not os.path.isfile(ref.path):
+        raise FileNotFoundError(f"input file not found: {ref.path}")
+    if _kind(ref.path) == ".safetensors":
+        return _safetensors_entry(ref.path, ref.name)[1]
+    return tuple(_load_np(ref).shape)
+
+
 _CACHE: dict = {}
 
 
