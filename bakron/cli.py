@@ -262,6 +262,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         _err(f"bakron {args.command}: interrupted")
         return EXIT_INTERRUPTED
+    except OSError as exc:  # the file system refused (permissions, read-only, ...): one line
+        where = f" ({exc.filename})" if exc.filename else ""
+        _err(f"bakron {args.command}: I/O error: {exc.strerror or exc}{where}; nothing was "
+             f"written")
+        return EXIT_WRITE_FAILED
 
 
 # -- bench ---------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ class LayerResult:
             "damp_in": self.damp_in, "damp_out": self.damp_out,
             "seconds_factor": self.seconds_factor, "seconds_solve": self.seconds_solve,
             "seconds_metrics": self.seconds_metrics, "input_dtype": self.input_dtype,
-            "dtype": str(self.values.dtype), "metrics": self.metrics,
+            "values_dtype": str(self.values.dtype), "metrics": self.metrics,
         }
 
 

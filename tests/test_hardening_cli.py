@@ -230,3 +230,88 @@ def test_stale_tmp_of_a_dead_run_is_removed(tmp_path, capsys):
     assert rc == 0, err
     assert not stale.exists() and alive.exists()
     assert ".bakron-tmp.json" not in os.listdir(tmp_path / "out")
+
+
+def test_unreadable_out_parent_is_one_line(tmp_path, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root ignores permissions")
+    src = tmp_path / "l.npz"
+    np.savez(src, **_layer())
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o000)
+    try:
+        rc, err = run(["quantize", src, "--out", locked / "sub" / "out"], capsys)
+    finally:
+        locked.chmod(0o755)
+    assert rc == cli.EXIT_WRITE_FAILED and len(err.strip().splitlines()) == 1
+    assert os.listdir(locked) == []
+
+
+# -- one pipeline: diagonal H_out and the same tensors on both paths ---------------------------
+
+def test_diagonal_h_out_on_both_paths(tmp_path, capsys):
+    import bakron
+
+    d = _layer(32, 48, 3)
+    h = np.linspace(0.5, 2.0, 32)
+    src = tmp_path / "in" / "diag.safetensors"
+    src.parent.mkdir()
+    _safetensors.save(src, dict(d, H_out=h))
+    rc, err = run(["quantize", src, "--out", tmp_path / "local", "--tile", 8, "--quiet"], capsys)
+    assert rc == 0, err
+    assert quantize_folder(src, tmp_path / "dask", tile=8, quiet=True) == 0
+    local = io.read_tensors(tmp_path / "local" / "diag.safetensors")
+    dask = io.read_tensors(tmp_path / "dask" / "layers" / "diag.safetensors")
+    assert sorted(local) == sorted(dask) == ["W_hat", "codes", "scale"]
+    for k in local:
+        np.testing.assert_array_equal(local[k], dask[k])
+    ref = bakron.quantize_layer(d["W"], d["H_in"], np.diag(h), bits=4, tile=8)
+    np.testing.assert_array_equal(local["W_hat"], ref.values)
+    e = json.loads((tmp_path / "local" / "report.json").read_text())["layers"][0]
+    assert e["h_out_diagonal"] is True and e["two_sided"] is True
+    assert e["proxy_error"] == pytest.approx(ref.proxy_error, rel=1e-10)
+
+
+def test_report_records_the_stored_dtype(tmp_path, capsys):
+    d = _layer(16, 32, 4)
+    W = d["W"]
+    bf16 = (W.view(np.uint32) >> 16).astype(np.uint16)  # truncation to bfloat16 bits
+    src = tmp_path / "bf.safetensors"
+    raw_W = bf16.tobytes()
+    H = d["H_in"].astype("<f8").tobytes()
+    header = {"H_in": {"dtype": "F64", "shape": [32, 32], "data_offsets": [0, len(H)]},
+              "W": {"dtype": "BF16", "shape": [16, 32],
+                    "data_offsets": [len(H), len(H) + len(raw_W)]}}
+    hb = json.dumps(header).encode()
+    src.write_bytes(struct.pack("<Q", len(hb)) + hb + H + raw_W)
+    rc, err = run(["quantize", src, "--out", tmp_path / "o", "--tile", 8, "--quiet"], capsys)
+    assert rc == 0, err
+    e = json.loads((tmp_path / "o" / "report.json").read_text())["layers"][0]
+    assert e["dtype"] == "bfloat16" and e["input_dtype"] == "bfloat16"
+    np.savez(tmp_path / "h.npz", W=W.astype(np.float16), H_in=d["H_in"])
+    rc, err = run(["quantize", tmp_path / "h.npz", "--out", tmp_path / "o2", "--tile", 8,
+                   "--quiet"], capsys)
+    assert rc == 0, err
+    e = json.loads((tmp_path / "o2" / "report.json").read_text())["layers"][0]
+    assert e["input_dtype"] == "float16"
+    assert io.read_tensors(tmp_path / "o2" / "h.safetensors")["W_hat"].dtype == np.float32
+
+
+def test_metrics_option(tmp_path, capsys):
+    d = _layer(32, 48, 5)
+    G = np.random.default_rng(5).standard_normal((64, 32))
+    np.savez(tmp_path / "l.npz", **d, H_out=G.T @ G)
+    figures = {}
+    for level in ("none", "basic", "full"):
+        rc, err = run(["quantize", tmp_path / "l.npz", "--out", tmp_path / level, "--tile", 8,
+                       "--metrics", level], capsys)
+        assert rc == 0, err
+        figures[level] = json.loads((tmp_path / level / "report.json").read_text())["layers"][0]
+    assert figures["none"]["proxy_error"] is None and figures["none"]["rtn_proxy_error"] is None
+    assert figures["basic"]["proxy_error"] == figures["full"]["proxy_error"]
+    assert figures["basic"]["proxy_error_one_sided"] is None
+    assert figures["full"]["proxy_error_one_sided"] is not None
+    rc, err = run(["quantize", tmp_path / "l.npz", "--out", tmp_path / "x", "--metrics", "all"],
+                  capsys)
+    assert rc == cli.EXIT_USAGE and "--metrics" in err
