@@ -15,7 +15,7 @@ Exit codes (stable; scripts may rely on them):
      or ``--gpus``); checked before any layer runs, nothing was written
 5    the output could not be written (I/O error such as a full disk or a read-only file
      system); no partial output folder is left
-130  interrupted (Ctrl-C); a ``quantize`` output folder is not left behind
+130  interrupted (Ctrl-C or SIGTERM); a ``quantize`` output folder is not left behind
 ===  =========================================================================================
 """
 from __future__ import annotations
@@ -248,6 +248,38 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    with _sigterm_as_interrupt():
+        return _run_command(args)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while a command ran (handled like Ctrl-C: exit code 130)."""
+
+
+class _sigterm_as_interrupt:
+    """While a command runs, SIGTERM raises :class:`Terminated`, handled like Ctrl-C: the
+    temporary output is removed and the exit code is 130 (main thread only)."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.old = None
+        if threading.current_thread() is threading.main_thread():
+            def handler(signum, frame):
+                raise Terminated
+            self.old = signal.signal(signal.SIGTERM, handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, self.old)
+        return False
+
+
+def _run_command(args) -> int:
     try:
         return args.func(args)
     except UsageError as exc:
@@ -259,8 +291,9 @@ def main(argv=None) -> int:
     except WriteFailed as exc:
         _err(f"bakron {args.command}: {exc}")
         return EXIT_WRITE_FAILED
-    except KeyboardInterrupt:
-        _err(f"bakron {args.command}: interrupted")
+    except (KeyboardInterrupt, Terminated) as exc:
+        _err(f"bakron {args.command}: "
+             f"{'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}")
         return EXIT_INTERRUPTED
     except OSError as exc:  # the file system refused (permissions, read-only, ...): one line
         where = f" ({exc.filename})" if exc.filename else ""
@@ -476,7 +509,7 @@ def _cmd_quantize(args) -> int:
                 try:
                     tensors, _ = io.read_layer(info.path, info.name)
                     arrays, figures = _quantize_one(args, xp, tensors, info)
-                except (KeyboardInterrupt, MemoryError):
+                except (KeyboardInterrupt, MemoryError, Terminated):
                     raise
                 except Exception as exc:  # the layer fails, the run goes on
                     failed += 1

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from bakron import io
 from bakron.distributed._jobs import jobs_from_path, load_tensor
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow])
+# 150 examples per strategy in CI (a few seconds); BAKRON_FUZZ_EXAMPLES=N for a longer run
+FUZZ = settings(max_examples=int(os.environ.get("BAKRON_FUZZ_EXAMPLES", "150")), deadline=None,
+                derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 # what the Dask path may raise for bad inputs (it turns them into exit code 2 / failed layers)
 DASK_INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError)
