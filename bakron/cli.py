@@ -424,8 +424,6 @@ def _quantize_one(args, xp, tensors, info) -> tuple[dict, dict]:
 def _cmd_quantize_distributed(args) -> int:
     from .distributed import quantize_folder
 
-    if args.format != "safetensors":
-        raise UsageError("--scheduler/--gpus write safetensors layer files; drop --format npz")
     if args.force:
         raise UsageError("--scheduler/--gpus resume an existing OUT instead of replacing it; "
                          "delete OUT yourself to start over")
@@ -433,7 +431,7 @@ def _cmd_quantize_distributed(args) -> int:
         args.input, args.out, scheduler=args.scheduler, gpus=args.gpus or 0, quiet=args.quiet,
         bits=args.bits, tile=args.tile, method=args.method, engine=args.engine, damp=args.damp,
         symmetric=not args.asym, granularity=args.scale, group_size=args.group_size,
-        scale_method=args.scale_method, one_sided=args.one_sided,
+        scale_method=args.scale_method, one_sided=args.one_sided, file_format=args.format,
         device="gpu" if args.gpus and args.device == "cpu" else args.device)
 
 

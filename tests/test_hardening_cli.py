@@ -250,24 +250,34 @@ def test_unreadable_out_parent_is_one_line(tmp_path, capsys):
 
 # -- one pipeline: diagonal H_out and the same tensors on both paths ---------------------------
 
-def test_diagonal_h_out_on_both_paths(tmp_path, capsys):
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_diagonal_h_out_on_both_paths(tmp_path, capsys, fmt):
     import bakron
+    from bakron.distributed import read_manifest
 
     d = _layer(32, 48, 3)
     h = np.linspace(0.5, 2.0, 32)
     src = tmp_path / "in" / "diag.safetensors"
     src.parent.mkdir()
     _safetensors.save(src, dict(d, H_out=h))
-    rc, err = run(["quantize", src, "--out", tmp_path / "local", "--tile", 8, "--quiet"], capsys)
+    rc, err = run(["quantize", src, "--out", tmp_path / "local", "--tile", 8, "--quiet",
+                   "--format", fmt], capsys)
     assert rc == 0, err
-    assert quantize_folder(src, tmp_path / "dask", tile=8, quiet=True) == 0
-    local = io.read_tensors(tmp_path / "local" / "diag.safetensors")
-    dask = io.read_tensors(tmp_path / "dask" / "layers" / "diag.safetensors")
+    assert quantize_folder(src, tmp_path / "dask", tile=8, quiet=True, file_format=fmt) == 0
+    local = io.read_tensors(tmp_path / "local" / f"diag.{fmt}")
+    dask = io.read_tensors(tmp_path / "dask" / "layers" / f"diag.{fmt}")
+    for t in (local, dask):
+        t.pop("__metadata__", None)
     assert sorted(local) == sorted(dask) == ["W_hat", "codes", "scale"]
+    # the Dask output resumes: a second run reuses the verified file
+    assert quantize_folder(src, tmp_path / "dask", tile=8, quiet=True, file_format=fmt) == 0
+    rec = read_manifest(tmp_path / "dask")["layers"]["diag"]
+    assert rec["status"] == "done" and rec["reused"] is True and rec["file"].endswith(fmt)
     for k in local:
         np.testing.assert_array_equal(local[k], dask[k])
     ref = bakron.quantize_layer(d["W"], d["H_in"], np.diag(h), bits=4, tile=8)
     np.testing.assert_array_equal(local["W_hat"], ref.values)
+    np.testing.assert_array_equal(io.dequantize(local["codes"], local["scale"]), ref.values)
     e = json.loads((tmp_path / "local" / "report.json").read_text())["layers"][0]
     assert e["h_out_diagonal"] is True and e["two_sided"] is True
     assert e["proxy_error"] == pytest.approx(ref.proxy_error, rel=1e-10)

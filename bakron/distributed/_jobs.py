@@ -26,7 +26,7 @@ JOB_FORMAT = 1
 DEFAULT_SETTINGS: dict[str, Any] = {
     "bits": 4, "tile": [16, 16], "method": "auto", "engine": "auto", "damp": 0.01,
     "symmetric": True, "granularity": "row", "group_size": None, "scale_method": "rms",
-    "device": "auto", "dtype": None, "one_sided": False,
+    "device": "auto", "dtype": None, "one_sided": False, "file_format": "safetensors",
 }
 _CHOICES = {
     "method": ("auto", "naive", "antidiagonal", "recursive"),
@@ -35,6 +35,7 @@ _CHOICES = {
     "scale_method": None,  # validated by UniformQuantizer.fit
     "device": ("auto", "cpu", "gpu"),
     "dtype": (None, "float32", "float64"),
+    "file_format": ("safetensors", "npz"),
 }
 
 
@@ -293,9 +294,12 @@ def job_key(job: LayerJob, checksums: Mapping[str, str] | None = None) -> str:
 
     if checksums is None:
         checksums = {k: tensor_checksum(r) for k, r in job.inputs().items()}
+    settings = canonical_settings(job.settings)
+    if settings["file_format"] == "safetensors":  # the default keeps the keys made before the
+        del settings["file_format"]               # setting existed (resumable folders)
     doc = {"job_format": JOB_FORMAT, "bakron": __version__,
            "inputs": {k: checksums[k] for k in sorted(job.inputs())},
-           "settings": canonical_settings(job.settings)}
+           "settings": settings}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
                           ).hexdigest()
 

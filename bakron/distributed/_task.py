@@ -91,7 +91,8 @@ def run_job(job: LayerJob, out_dir: str, file_stem: str, key: str,
     t_start = time.perf_counter()
     info = _worker_info()
     rec = {"name": job.name, "key": key, **info, "started": now_iso()}
-    final = layer_path(out_dir, file_stem)
+    file_format = canonical_settings(job.settings)["file_format"]
+    final = layer_path(out_dir, file_stem, file_format)
     ok, _, checksum, meta = verify_layer_file(final, key)
     if ok:  # a twin (or an earlier attempt on a worker that then died) already wrote it
         return dict(rec, status="done", wrote=False, checksum=checksum,
@@ -152,7 +153,7 @@ def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
     path, checksum, wrote = write_layer_file(
         out_dir, file_stem, tensors, meta_s,
         journal={"name": job.name, "key": key, "worker": rec["worker"], "pid": rec["pid"],
-                 "host": rec["host"], "time": now_iso()})
+                 "host": rec["host"], "time": now_iso()}, file_format=s["file_format"])
     return dict(rec, status="done", wrote=wrote, checksum=checksum, device=device,
                 damp_in=summary["damp_in"], damp_out=summary["damp_out"],
                 proxy_error=summary["proxy_error"], rtn_proxy_error=summary["rtn_proxy_error"],
