@@ -43,6 +43,9 @@ EXIT_INTERRUPTED = 130
 
 DEFAULT_DEMO_OUT = "bakron-demo"
 REPORT_NAME = "report.json"
+#: layers with at least this many weights get progress lines inside the layer (factor
+#: preparation, solve, proxy errors)
+PROGRESS_INSIDE_LAYER = 1 << 22
 REPORT_FORMAT_VERSION = 1
 
 
@@ -411,7 +414,7 @@ def _quantize_one(args, xp, tensors, info) -> tuple[dict, dict]:
                 "granularity": args.scale, "group_size": args.group_size,
                 "scale_method": args.scale_method}
     m, n = info.shape
-    big = m * n >= 1 << 22 and not args.quiet  # progress inside a large layer
+    big = m * n >= PROGRESS_INSIDE_LAYER and not args.quiet
     say = (lambda msg: _err(f"    {msg} ...")) if big else None
     arrays, entry, _ = quantize_arrays(tensors["W"], tensors["H_in"], tensors.get("H_out"),
                                        settings, xp=xp, one_sided=args.one_sided,

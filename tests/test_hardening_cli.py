@@ -355,3 +355,16 @@ def test_sigterm_removes_the_temporary_folder(tmp_path):
     assert "terminated (SIGTERM)" in err and not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     del rng
+
+
+def test_progress_inside_a_large_layer(tmp_path, capsys, monkeypatch):
+    np.savez(tmp_path / "l.npz", **_layer(32, 48, 6))
+    monkeypatch.setattr(cli, "PROGRESS_INSIDE_LAYER", 32 * 48)
+    rc, err = run(["quantize", tmp_path / "l.npz", "--out", tmp_path / "o", "--tile", 8], capsys)
+    assert rc == 0, err
+    phases = [line.strip().split(" ")[0] for line in err.splitlines() if line.endswith("...")]
+    assert phases == ["preparing", "solving", "computing"]
+    monkeypatch.setattr(cli, "PROGRESS_INSIDE_LAYER", 32 * 48 + 1)
+    rc, err = run(["quantize", tmp_path / "l.npz", "--out", tmp_path / "o2", "--tile", 8],
+                  capsys)
+    assert rc == 0 and "solving" not in err

@@ -29,11 +29,12 @@ def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int
     ``group_size``, ``scale_method``, ``device``, ``dtype``, ``one_sided``).
 
     OUT is resumable: run the same command again and only missing or invalid layers are
-    solved. A non-empty OUT that is not a bakron output folder is refused.
+    solved. A non-empty OUT that is not a bakron output folder is refused (exit 3).
 
     Exit codes (those of ``bakron quantize``): 0 every layer done; 1 some layers failed (the
     others are written; ``OUT/manifest.json`` says which and why); 2 bad input, settings or
-    options (nothing solved); 3 OUT is in use by another driver; 4 Dask, or the GPUs asked
+    options (nothing solved); 3 OUT is in use by another driver, or is a non-empty folder
+    that bakron did not write; 4 Dask, or the GPUs asked
     for, are not available; 5 the output could not be written (I/O error); 130 interrupted
     (finished layers are kept; re-run to resume).
     """
@@ -73,7 +74,7 @@ def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int
             or os.path.isdir(os.path.join(out_dir, ".bakron"))):
         _err(f"{out_dir} is a non-empty folder that is not a bakron output; choose an empty "
              f"or new folder (an earlier distributed bakron output folder is resumed)")
-        return EXIT_USAGE
+        return EXIT_LOCKED  # 3, as `bakron quantize` for an OUT it may not replace
     client = cluster = None
     if scheduler or gpus or workers:
         try:
