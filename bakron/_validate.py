@@ -176,25 +176,31 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
                          f"{block}; prepare it with prepare_factor(H, {block})")
     if n <= block:
         return
+    dev = _device(A)
     nz = A != 0
     live = xp.any(nz, axis=1) | xp.any(nz, axis=0)  # a dead channel has a zero row and column
-    live_row = live_col = live
-    i = xp.arange(n, device=_device(A))
-    band = ((i[:, None] // block) - (i[None, :] // block)) == 1
-    elig = band & live_row[:, None] & live_col[None, :]
+    del nz
+    # the tiles just left of the diagonal, gathered as (n - block, block): row r, column
+    # (r // block - 1) * block + j -- O(n * block) work, no n x n temporaries
+    r = xp.arange(block, n, device=dev)
+    j = xp.arange(block, device=dev)
+    cols = ((r // block - 1) * block)[:, None] + j[None, :]
+    flat = xp.reshape(A, (n * n,))
+    near = xp.reshape(xp.take(flat, xp.reshape(r[:, None] * n + cols, (-1,))), cols.shape)
+    elig = xp.take(live, r)[:, None] & xp.reshape(xp.take(live, xp.reshape(cols, (-1,))), cols.shape)
     per_row_elig = xp.sum(xp.astype(elig, xp.int64), axis=1)
-    per_row_nz = xp.sum(xp.astype(elig & nz, xp.int64), axis=1)
-    tiles = -(-n // block)
-    pad = tiles * block - n
+    per_row_nz = xp.sum(xp.astype(elig & (near != 0), xp.int64), axis=1)
+    tiles = -(-(n - block) // block)
+    pad = tiles * block - (n - block)
     if pad:
-        zeros = xp.zeros((pad,), dtype=xp.int64, device=_device(A))
+        zeros = xp.zeros((pad,), dtype=xp.int64, device=dev)
         per_row_elig = xp.concat([per_row_elig, zeros])
         per_row_nz = xp.concat([per_row_nz, zeros])
     t_elig = xp.sum(xp.reshape(per_row_elig, (tiles, block)), axis=1)
     t_nz = xp.sum(xp.reshape(per_row_nz, (tiles, block)), axis=1)
     empty = (t_elig > 0) & (t_nz == 0)
     if bool(xp.any(empty)):
-        k = int(xp.nonzero(empty)[0][0])
+        k = int(xp.nonzero(empty)[0][0]) + 1
         raise ValueError(
             f"{name} looks like a factor made with a block size coarser than the tile "
             f"({block}): its tile ({k}, {k - 1}) next to the diagonal is exactly zero on live "
