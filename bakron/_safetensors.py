@@ -76,32 +76,33 @@ def validate_header(header, data_len: int, path) -> None:
     for name, info in header.items():
         if name == "__metadata__":
             continue
+
+        def bad(problem):
+            return ValueError(f"{path}: corrupt safetensors header: tensor {name!r}: {problem}")
         if not isinstance(info, dict):
-            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r}: header entry is not an object")
+            raise bad("the header entry is not an object")
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dt not in _SIZES:
-            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r} has unsupported dtype {dt!r}")
+            raise bad(f"unsupported dtype {dt!r}")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r}: shape {shape!r} must be a list of "
-                             f"non-negative integers")
+            raise bad(f"shape {shape!r} must be a list of non-negative integers")
         if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs)
                 or offs[0] < 0 or offs[1] < offs[0]):
-            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r}: data_offsets {offs!r} must be two "
-                             f"ordered non-negative integers")
+            raise bad(f"data_offsets {offs!r} must be two ordered non-negative integers")
         nbytes = _SIZES[dt]
         for d in shape:
             nbytes *= d
         if offs[1] - offs[0] != nbytes:
-            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r}: data_offsets {offs} span "
-                             f"{offs[1] - offs[0]} bytes but dtype {dt} x shape {shape} needs "
-                             f"{nbytes}")
+            raise bad(f"data_offsets {offs} span {offs[1] - offs[0]} bytes but dtype {dt} x "
+                      f"shape {shape} needs {nbytes}")
         spans.append((offs[0], offs[1], name))
     spans.sort()
     end, name = 0, None
     for b, e, name in spans:
         if b != end:
-            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r}: data_offsets start at {b}, expected "
-                             f"{end} (tensors must be contiguous and not overlap)")
+            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r}: data_offsets "
+                             f"start at {b}, expected {end} (tensors must be contiguous and not "
+                             f"overlap)")
         end = e
     if end > data_len:
         raise ValueError(f"{path}: tensor {name!r} is truncated: the header describes {end} "
@@ -154,7 +155,7 @@ def load(path, names=None) -> dict[str, np.ndarray]:
             elif dt in _DTYPES:
                 arr = np.frombuffer(raw, dtype=_DTYPES[dt]).reshape(shape)
             else:
-                raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r} has unsupported dtype {dt}")
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dt}")
             out[name] = arr.copy()
     if names is not None:
         missing = [n for n in names if n not in out]

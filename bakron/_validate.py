@@ -166,9 +166,9 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
     diagonal blocks contain the finer ones) but rounds differently. Its signature: some tile
     just below the diagonal, ``A[k, k-1]``, lies inside a coarse diagonal block and is exactly
     zero on its live channels (those with a non-zero in their row or column of ``A``; a dead
-    channel's row and column are zero in any factor). In a factor made with ``block`` those tiles carry the coupling of
-    neighbouring blocks (with fill-in), so only a Hessian whose neighbouring live blocks are
-    exactly decoupled after elimination could be refused wrongly.
+    channel's row and column are zero in any factor). In a factor made with ``block`` those
+    tiles carry the coupling of neighbouring blocks (with fill-in), so only a Hessian whose
+    neighbouring live blocks are exactly decoupled after elimination could be refused wrongly.
     """
     n = A.shape[0]
     if recorded is not None and recorded != min(block, n):
@@ -187,7 +187,8 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
     cols = ((r // block - 1) * block)[:, None] + j[None, :]
     flat = xp.reshape(A, (n * n,))
     near = xp.reshape(xp.take(flat, xp.reshape(r[:, None] * n + cols, (-1,))), cols.shape)
-    elig = xp.take(live, r)[:, None] & xp.reshape(xp.take(live, xp.reshape(cols, (-1,))), cols.shape)
+    live_cols = xp.reshape(xp.take(live, xp.reshape(cols, (-1,))), cols.shape)
+    elig = xp.take(live, r)[:, None] & live_cols
     per_row_elig = xp.sum(xp.astype(elig, xp.int64), axis=1)
     per_row_nz = xp.sum(xp.astype(elig & (near != 0), xp.int64), axis=1)
     tiles = -(-(n - block) // block)

@@ -16,8 +16,6 @@ fast on large layers), sums in float64.
 """
 from __future__ import annotations
 
-from .. import _xp
-
 __all__ = ["ProxyMetrics", "SIDES"]
 
 #: "two": under H_O ⊗ H_I (equal to "one" when there is no H_O); "one": under I ⊗ H_I
