@@ -164,11 +164,14 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
 
     A bare array made with a coarser block passes the strictly-block-lower check (its zero
     diagonal blocks contain the finer ones) but rounds differently. Its signature: some tile
-    just below the diagonal, ``A[k, k-1]``, lies inside a coarse diagonal block and is exactly
-    zero on its live channels (those with a non-zero in their row or column of ``A``; a dead
-    channel's row and column are zero in any factor). In a factor made with ``block`` those
-    tiles carry the coupling of neighbouring blocks (with fill-in), so only a Hessian whose
-    neighbouring live blocks are exactly decoupled after elimination could be refused wrongly.
+    just below the diagonal, ``A[k, k-1]``, lies inside a coarse diagonal block, so it is
+    exactly zero on its live channels (those with a non-zero in their row or column of ``A``;
+    a dead channel's row and column are zero in any factor), while the same rows hold
+    non-zeros further left (the coupling across coarse blocks). A factor made with ``block``
+    carries the coupling of neighbouring blocks in that tile (with fill-in); a block-diagonal
+    Hessian (attention heads) has no coupling further left. Only a Hessian whose neighbouring
+    live blocks are exactly decoupled after elimination while distant ones are not could be
+    refused wrongly.
     """
     n = A.shape[0]
     if recorded is not None and recorded != min(block, n):
@@ -179,16 +182,22 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
     dev = _device(A)
     nz = A != 0
     live = xp.any(nz, axis=1) | xp.any(nz, axis=0)  # a dead channel has a zero row and column
+    # first non-zero column of each row (n where the row is zero)
+    first = xp.where(xp.any(nz, axis=1), xp.argmax(xp.astype(nz, xp.int8), axis=1),
+                     xp.full((n,), n, dtype=xp.int64, device=dev))
     del nz
     # the tiles just left of the diagonal, gathered as (n - block, block): row r, column
-    # (r // block - 1) * block + j -- O(n * block) work, no n x n temporaries
+    # (r // block - 1) * block + j -- O(n * block) work, no n x n integer temporaries
     r = xp.arange(block, n, device=dev)
     j = xp.arange(block, device=dev)
-    cols = ((r // block - 1) * block)[:, None] + j[None, :]
+    start = (r // block - 1) * block
+    cols = start[:, None] + j[None, :]
     flat = xp.reshape(A, (n * n,))
     near = xp.reshape(xp.take(flat, xp.reshape(r[:, None] * n + cols, (-1,))), cols.shape)
     live_cols = xp.reshape(xp.take(live, xp.reshape(cols, (-1,))), cols.shape)
     elig = xp.take(live, r)[:, None] & live_cols
+    # coupling beyond the neighbouring tile: what a coarse block leaves non-zero
+    further = xp.astype(xp.astype(xp.take(first, r), xp.int64) < start, xp.int64)
     per_row_elig = xp.sum(xp.astype(elig, xp.int64), axis=1)
     per_row_nz = xp.sum(xp.astype(elig & (near != 0), xp.int64), axis=1)
     tiles = -(-(n - block) // block)
@@ -197,15 +206,17 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
         zeros = xp.zeros((pad,), dtype=xp.int64, device=dev)
         per_row_elig = xp.concat([per_row_elig, zeros])
         per_row_nz = xp.concat([per_row_nz, zeros])
+        further = xp.concat([further, zeros])
     t_elig = xp.sum(xp.reshape(per_row_elig, (tiles, block)), axis=1)
     t_nz = xp.sum(xp.reshape(per_row_nz, (tiles, block)), axis=1)
-    empty = (t_elig > 0) & (t_nz == 0)
+    t_further = xp.sum(xp.reshape(further, (tiles, block)), axis=1)
+    empty = (t_elig > 0) & (t_nz == 0) & (t_further > 0)
     if bool(xp.any(empty)):
         k = int(xp.nonzero(empty)[0][0]) + 1
         raise ValueError(
             f"{name} looks like a factor made with a block size coarser than the tile "
             f"({block}): its tile ({k}, {k - 1}) next to the diagonal is exactly zero on live "
-            f"rows and columns; prepare it with prepare_factor(H, {block}) (the tile's "
+            f"rows and columns while those rows hold non-zeros further left; prepare it with prepare_factor(H, {block}) (the tile's "
             f"{'t_y' if name.endswith('in') else 't_x'})")
 
 

@@ -82,6 +82,22 @@ def test_coarser_block_two_sided(layer):
                      tile=16)
 
 
+def test_block_diagonal_hessian_is_not_mistaken_for_a_coarse_factor(layer):
+    """Attention-head factors are block diagonal: their factors are zero between heads, which
+    must not look like a coarser block (no coupling further left)."""
+    W, H, Ho = layer
+    heads = np.kron(np.eye(4), np.ones((16, 16))) * Ho + 0.1 * np.eye(64)
+    q = bakron.UniformQuantizer.fit(W, 3)
+    f_in = bakron.prepare_factor(H, 1)
+    for t in (1, 4, 16):
+        A_out = bakron.prepare_factor(heads, t).A
+        bakron.solve(W, A_out, bakron.prepare_factor(H, t).A, q, tile=t)
+    dead = H.copy()
+    dead[5, :] = dead[:, 5] = 0.0  # a dead channel
+    bakron.solve(W, None, bakron.prepare_factor(dead, 1).A, q, tile=1)
+    assert f_in.block == 1
+
+
 # -- 4. complex inputs ------------------------------------------------------------------------
 
 def test_complex_inputs_are_refused(layer):
