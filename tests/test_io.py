@@ -310,3 +310,25 @@ def test_array_module():
     if name == "cpu":
         with pytest.raises(RuntimeError, match="device='gpu' but"):
             io.array_module("gpu")
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_read_npz_round_trips_every_plain_layout(tmp_path, compressed):
+    """The bounded npz reader gives what np.load gives: Fortran order, big-endian, 0-d,
+    empty, bool and integer arrays, stored or deflated."""
+    rng = np.random.default_rng(0)
+    arrays = {"F": np.asfortranarray(rng.standard_normal((5, 7))),
+              "BE": rng.standard_normal((3, 4)).astype(">f4"),
+              "S": np.array(3.5), "E": np.zeros((0, 4), np.float32),
+              "B": rng.random(6) > 0.5, "I": np.arange(10, dtype=np.int16).reshape(2, 5)}
+    p = tmp_path / "a.npz"
+    (np.savez_compressed if compressed else np.savez)(p, **arrays)
+    got = io.read_npz(p)
+    assert sorted(got) == sorted(arrays) == sorted(io.npz_names(p))
+    with np.load(p) as ref:
+        for k in arrays:
+            assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape
+            np.testing.assert_array_equal(got[k], ref[k])
+    assert io.read_npz(p, ["S"]) == {"S": np.array(3.5)}
+    with pytest.raises(io.InputError, match="no array named 'Z'"):
+        io.read_npz(p, ["Z"])
