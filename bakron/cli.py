@@ -348,10 +348,7 @@ def _cmd_demo(args) -> int:
                               f"({modname} is missing); try --model mlp") from None
         raise Unavailable(f"the {args.model!r} demo needs {exc.name!r}, which is not "
                           f"installed: pip install 'bakron[demo]'") from None
-    try:
-        out = io_check_out(args.out)
-    except UsageError:
-        raise
+    out = io_check_out(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder")
     t0 = time.perf_counter()
@@ -359,6 +356,9 @@ def _cmd_demo(args) -> int:
         result = mod.run(args.out, device=args.device, bits=tuple(args.bits), quick=args.quick,
                          progress=not args.quiet)
     except OSError as exc:
+        if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ == "URLError":
+            raise Unavailable(f"the {args.model!r} demo's model could not be fetched "
+                              f"({exc})") from None
         raise WriteFailed(f"could not write the output in {out} "
                           f"({exc.strerror or exc}{': ' + exc.filename if exc.filename else ''})"
                           ) from None
