@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _xp
-from .._validate import check_factor_shape, check_finite, check_matrix, check_tile
+from .._validate import (check_factor_block, check_factor_shape, check_finite,
+                         check_int, check_matrix, check_quantizer, check_real_dtype,
+                         check_result_finite, check_tile, factor_array, native)
 from ._problem import Problem
 from .antidiagonal import solve_accumulator, solve_block_accumulator, solve_direct
 from .naive import solve_naive
@@ -129,17 +131,21 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     -------
     SolveResult
     """
+    (A_out, blk_out), (A_in, blk_in) = factor_array(A_out), factor_array(A_in)
     xp = _xp.namespace(W, A_out, A_in)
+    W, A_out, A_in = native(xp, W), native(xp, A_out), native(xp, A_in)
     check_matrix(xp, W, "W")
     dtype = _xp.float_dtype(xp, W, "W")
     check_finite(xp, W, "W")
     m, n = W.shape
     check_matrix(xp, A_in, "A_in")
     check_factor_shape(A_in, n, "A_in", "A_out", m, "columns")
+    check_real_dtype(xp, A_in, "A_in")
     check_finite(xp, A_in, "A_in")
     if A_out is not None:
         check_matrix(xp, A_out, "A_out")
         check_factor_shape(A_out, m, "A_out", "A_in", n, "rows")
+        check_real_dtype(xp, A_out, "A_out")
         check_finite(xp, A_out, "A_out")
     tx, ty = check_tile(tile, m, n)
     if method not in METHODS:
@@ -147,14 +153,14 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     if variant not in ("accumulator", "direct"):
         raise ValueError(f"variant must be 'accumulator' or 'direct', got {variant!r}")
     auto_base = base is None
-    base = BASE_TILES if base is None else int(base)
-    if base < 1:
-        raise ValueError(f"base must be a positive number of tiles, got {base}")
-    if hasattr(quantizer, "check_shape"):
-        quantizer.check_shape(m, n)
+    base = BASE_TILES if base is None else check_int(base, "base", minimum=1,
+                                                      what="a positive number of tiles")
+    check_quantizer(quantizer, m, n, dtype)
     _check_strictly_lower(xp, A_in, ty, "A_in")
+    check_factor_block(xp, A_in, ty, "A_in", blk_in)
     if A_out is not None:
         _check_strictly_lower(xp, A_out, tx, "A_out")
+        check_factor_block(xp, A_out, tx, "A_out", blk_out)
 
     p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
     eng_name, eng = ("array_api", None) if return_targets and engine == "auto" else \
@@ -190,6 +196,7 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
             raise ValueError(f"method={method!r} is not available on engine {eng_name!r}")
     _xp.sync(xp)
     seconds = time.perf_counter() - t0
+    check_result_finite(xp, p.Wq, quantizer)
     info["quantizer_calls"] = p.quantizer_calls
     return SolveResult(values=p.Wq, codes=p.codes, method=method, engine=eng_name,
                        seconds=seconds, tile=(tx, ty), targets=p.T, info=info)

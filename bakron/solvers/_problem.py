@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 
 from .. import _xp
+from .._validate import check_quantizer_output
 
 
 def tile_edges(size: int, t: int) -> list[int]:
@@ -19,6 +20,7 @@ class QuantizerCall:
             raise TypeError("quantizer must have a method quantize(targets) -> (values, codes); "
                             f"got {type(quantizer).__name__}")
         self.quantizer = quantizer
+        self.checked = False  # the first batch gets the full output check
         try:
             params = inspect.signature(quantizer.quantize).parameters
             self.positions = "rows" in params and "cols" in params
@@ -30,16 +32,9 @@ class QuantizerCall:
             out = self.quantizer.quantize(targets, rows=rows, cols=cols)
         else:
             out = self.quantizer.quantize(targets)
-        try:
-            values, codes = out
-        except Exception:
-            raise TypeError("quantizer.quantize must return a pair (values, codes)") from None
-        if tuple(values.shape) != tuple(targets.shape):
-            raise ValueError(f"quantizer.quantize returned values of shape {tuple(values.shape)} "
-                             f"for targets of shape {tuple(targets.shape)}")
-        if codes is not None and tuple(codes.shape) != tuple(targets.shape):
-            raise ValueError(f"quantizer.quantize returned codes of shape {tuple(codes.shape)}; "
-                             f"codes must have the targets' shape {tuple(targets.shape)} or be None")
+        values, codes = check_quantizer_output(self.quantizer, targets, out,
+                                               full=not self.checked)
+        self.checked = True
         return values, codes
 
 
