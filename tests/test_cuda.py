@@ -103,7 +103,7 @@ def test_sim_engine_available_and_capabilities():
         bakron.solve(W, AO, AI, q, tile=2, method="antidiagonal", variant="direct",
                      engine="cuda")
     r = bakron.solve(W, AO, AI, q, tile=2, method="antidiagonal", variant="direct")
-    assert r.engine == "array_api"  # auto: the array-API engine runs what cuda lacks
+    assert r.engine != "cuda"  # auto: another engine runs what cuda's table lacks
 
 
 @sim_only
