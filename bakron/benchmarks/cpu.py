@@ -19,6 +19,7 @@ with fitted slopes) to the output directory (default ``docs/benchmarks``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -294,6 +295,11 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, sh
         print("bakron bench: matplotlib is not installed: no cpu.png", file=sys.stderr)
     with open(os.path.join(out_dir, "cpu.md"), "w") as fh:
         fh.write("\n".join(lines))
+    with open(os.path.join(out_dir, "cpu.json"), "w") as fh:  # the rows, to re-plot or compare
+        json.dump({"command": command, "machine": machine, "dtype": dtype, "tile": tile,
+                   "bits": bits, "repeats": repeats, "rows": rows,
+                   "shape_rows": [dict(r, shape=list(r["shape"])) for r in shape_rows]},
+                  fh, indent=1)
 
 
 _SERIES = [("floor", "floor G_Oᵀ W G_I"), ("recursive", "recursive (numba)"),
