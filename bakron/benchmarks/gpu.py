@@ -96,7 +96,8 @@ def make_problem(env, m, n, t, seed):
 
 
 def timeit(env, fn, reps):
-    """Median wall time of ``fn()`` (device synchronised), or of the seconds it returns."""
+    """Median wall time of ``fn()`` (device synchronised), or of the seconds it returns when it
+    returns a float (a solve's ``SolveResult.seconds``)."""
     env.sync()
     fn()
     env.sync()
@@ -106,7 +107,7 @@ def timeit(env, fn, reps):
         t0 = time.perf_counter()
         own = fn()
         env.sync()
-        ts.append(time.perf_counter() - t0 if own is None else own)
+        ts.append(own if isinstance(own, float) else time.perf_counter() - t0)
     return statistics.median(ts), ts
 
 
