@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-from collections import namedtuple
 
 import numpy as np
 from llvmlite import binding as _llvm
@@ -229,22 +228,9 @@ def copy_into(C, oc, ldc, X, ox, ldx, p, q):
 # ---------------------------------------------------------------------------------------
 # the scalar grid
 # ---------------------------------------------------------------------------------------
-#: The kernels' arguments, grouped (numba passes named tuples of arrays and scalars as is):
-#: ``Inputs``: the weights ``W``, the offsets ``F`` a block received from outside (read when
-#: ``has_offsets``), the factors ``A_out`` (a 1 x 1 placeholder one-sided) and ``A_in``;
-#: ``Outputs``: the rounded values ``Wq``, the int16 ``codes`` and the ``targets`` (written
-#: when ``record_targets``); ``Grid``: UniformQuantizer's scalar grid: the ``scales`` and
-#: ``zeros`` tables (rows x groups, 1 x 1 when shared), ``group_size``, the code range
-#: ``lo``/``hi`` (in the working dtype) and ``symmetric``.
-Inputs = namedtuple("Inputs", ["W", "F", "has_offsets", "A_out", "A_in"])
-Outputs = namedtuple("Outputs", ["Wq", "codes", "targets", "record_targets"])
-Grid = namedtuple("Grid", ["scales", "zeros", "group_size", "lo", "hi", "symmetric"])
-
-
 @njit(cache=True, inline="always")
-def _quant(t, i, j, grid):
+def _quant(t, i, j, s_tab, z_tab, gs, lo, hi, sym):
     """(value, code) of target ``t`` at element (i, j): UniformQuantizer.quantize's rule."""
-    s_tab, z_tab, gs, lo, hi, sym = grid
     ri = i if s_tab.shape[0] > 1 else 0
     gi = j // gs if s_tab.shape[1] > 1 else 0
     s = s_tab[ri, gi]
@@ -263,14 +249,13 @@ def _quant(t, i, j, grid):
 # base blocks
 # ---------------------------------------------------------------------------------------
 @njit(cache=True, inline="always")
-def _row_tile(inp, out, P, usep, E, er0, gr0, h, C0, Sc, ty, grid):
+def _row_tile(W, F, useF, P, usep, AI, Wq, codes, T, useT, E, er0, gr0, h, C0, Sc, ty,
+              s_tab, z_tab, gs, lo, hi, sym):
     """Round rows ``gr0 .. gr0+h`` of W over columns ``[C0, C0+Sc)`` (one row tile of a
     block): column tiles right to left, targets ``W + F + P + (P + E) A_I`` where ``P[:h]``
     (when ``usep``) is the feedback from the rows below before ``G_I``, and ``E`` the row
     tile's own errors (written to ``E[er0 + i, :]``). Loops are ordered so that the inner
     ones are unit-stride updates that vectorise without reassociation."""
-    W, F, useF, _, AI = inp
-    Wq, codes, T, useT = out
     Z = np.empty((h, Sc), W.dtype)
     for i in range(h):
         wr = W[gr0 + i, C0:C0 + Sc]
@@ -296,7 +281,7 @@ def _row_tile(inp, out, P, usep, E, er0, gr0, h, C0, Sc, ty, grid):
             zr = Z[i]
             for j in range(c0, c1):
                 t = zr[j]
-                v, c = _quant(t, gr, C0 + j, grid)
+                v, c = _quant(t, gr, C0 + j, s_tab, z_tab, gs, lo, hi, sym)
                 Wq[gr, C0 + j] = v
                 codes[gr, C0 + j] = np.int16(c)
                 if useT:
@@ -313,32 +298,38 @@ def _row_tile(inp, out, P, usep, E, er0, gr0, h, C0, Sc, ty, grid):
 
 
 @njit(cache=True, inline="always")
-def _one_sided_row_tile(inp, out, FE, writeE, R0, R1, C0, C1, a, tx, ty, grid):
+def _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
+                        tx, ty, s_tab, z_tab, gs, lo, hi, sym):
     Sc = C1 - C0
     r0 = R0 + a * tx
     h = min(r0 + tx, R1) - r0
-    E = np.empty((h, Sc), inp.W.dtype)
-    _row_tile(inp, out, E, False, E, 0, r0, h, C0, Sc, ty, grid)
+    E = np.empty((h, Sc), W.dtype)
+    _row_tile(W, F, useF, E, False, AI, Wq, codes, T, useT, E, 0, r0, h, C0, Sc, ty,
+              s_tab, z_tab, gs, lo, hi, sym)
     if writeE:
         for i in range(h):
             FE[r0 + i, C0:C1] = E[i]
 
 
 @njit(cache=True)
-def base_one_sided(inp, out, FE, writeE, R0, R1, C0, C1, tx, ty, grid):
+def base_one_sided(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
+                   s_tab, z_tab, gs, lo, hi, sym):
     """One-sided block ``[R0, R1) x [C0, C1)``: targets ``W + F + E A_I`` inside the block,
     row tiles independent. With ``writeE`` the block's errors are written to ``FE`` (which
     may be ``F`` itself: each row reads its F before). Serial (see ``base_one_sided_par``)."""
     for a in range((R1 - R0 + tx - 1) // tx):
-        _one_sided_row_tile(inp, out, FE, writeE, R0, R1, C0, C1, a, tx, ty, grid)
+        _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
+                            tx, ty, s_tab, z_tab, gs, lo, hi, sym)
 
 
 @njit(cache=True, parallel=True)
-def base_one_sided_par(inp, out, FE, writeE, R0, R1, C0, C1, tx, ty, grid):
+def base_one_sided_par(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
+                       s_tab, z_tab, gs, lo, hi, sym):
     """``base_one_sided`` with the row tiles in parallel (prange): used for blocks with
     enough work to amortise a parallel region on a shared machine (``PAR_MIN_WORK``)."""
     for a in prange((R1 - R0 + tx - 1) // tx):
-        _one_sided_row_tile(inp, out, FE, writeE, R0, R1, C0, C1, a, tx, ty, grid)
+        _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
+                            tx, ty, s_tab, z_tab, gs, lo, hi, sym)
 
 
 #: one-sided blocks with at least this many multiply-adds (rows x cols^2 / 2) run their row
@@ -348,7 +339,8 @@ PAR_MIN_WORK = 1 << 26
 
 
 @njit(cache=True)
-def base_two_sided(inp, out, FE, writeE, R0, R1, C0, C1, tx, ty, grid):
+def base_two_sided(W, F, useF, AO, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
+                   s_tab, z_tab, gs, lo, hi, sym):
     """Two-sided block ``[R0, R1) x [C0, C1)`` with targets ``W + F + (feedback inside)``.
 
     Row tiles bottom-up (a dominance-respecting order): the errors of the rows below reach
@@ -357,8 +349,6 @@ def base_two_sided(inp, out, FE, writeE, R0, R1, C0, C1, tx, ty, grid):
     a one-sided sweep right to left with in-row feedback ``(P + E_a) A_I``. Serial: it runs
     between multi-threaded BLAS calls, and tiny parallel regions cost more than they save.
     """
-    W = inp.W
-    AO = inp.A_out
     Sr = R1 - R0
     Sc = C1 - C0
     m = W.shape[0]
@@ -372,7 +362,8 @@ def base_two_sided(inp, out, FE, writeE, R0, R1, C0, C1, tx, ty, grid):
         # P[h x Sc] = A_O[R0+r1:R1, R0+r0:R0+r1]^T @ E[r1:Sr, :]
         gemm_serial(P, 0, Sc, AO, (R0 + r1) * m + R0 + r0, m, True, E, r1 * Sc, Sc, False,
                     h, Sc, Sr - r1, 0.0)
-        _row_tile(inp, out, P, True, E, r0, R0 + r0, h, C0, Sc, ty, grid)
+        _row_tile(W, F, useF, P, True, AI, Wq, codes, T, useT, E, r0, R0 + r0, h, C0, Sc, ty,
+                  s_tab, z_tab, gs, lo, hi, sym)
         if writeE:
             for i in range(h):
                 FE[R0 + r0 + i, C0:C1] = E[r0 + i]
@@ -387,11 +378,11 @@ OP_LEAF, OP_AFTER_D, OP_AFTER_BC, OP_AFTER_RIGHT, OP_AFTER_BOTTOM = 0, 1, 2, 3, 
 
 
 @njit(cache=True)
-def run_plan(plan, inp, out, two_sided, buf, tx, ty, panel, grid):
+def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, panel,
+             s_tab, z_tab, gs, lo, hi, sym):
     """Execute the recursion's op table (``numba_cpu.op_table``). ``FE`` holds the offsets F of
     unsolved blocks and the errors E = W - Wq of solved ones; ``buf`` is the scratch space
-    (per-level offsets in the plan); ``inp.F`` is ``FE``."""
-    W, FE, _, AO, AI = inp
+    (per-level offsets in the plan)."""
     m, n = W.shape
     for q in range(plan.shape[0]):
         op = plan[q, 0]
@@ -400,11 +391,14 @@ def run_plan(plan, inp, out, two_sided, buf, tx, ty, panel, grid):
         o = plan[q, 7]
         if op == OP_LEAF:
             if two_sided:
-                base_two_sided(inp, out, FE, True, r0, r1, c0, c1, tx, ty, grid)
+                base_two_sided(W, FE, True, AO, AI, Wq, codes, T, useT, FE, True,
+                               r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
             elif (r1 - r0) * (c1 - c0) * (c1 - c0) >= 2 * PAR_MIN_WORK:
-                base_one_sided_par(inp, out, FE, True, r0, r1, c0, c1, tx, ty, grid)
+                base_one_sided_par(W, FE, True, AI, Wq, codes, T, useT, FE, True,
+                                   r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
             else:
-                base_one_sided(inp, out, FE, True, r0, r1, c0, c1, tx, ty, grid)
+                base_one_sided(W, FE, True, AI, Wq, codes, T, useT, FE, True,
+                               r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
         elif op == OP_AFTER_D:
             hB, hD, wA, wB = r_ - r0, r1 - r_, c_ - c0, c1 - c_
             # F_B += A_O[R2,R1]^T (E_D G_I[C2,C2])
@@ -454,10 +448,9 @@ def run_plan(plan, inp, out, two_sided, buf, tx, ty, panel, grid):
 # anti-diagonal solvers (the baselines), whole matrix
 # ---------------------------------------------------------------------------------------
 @njit(cache=True, inline="always")
-def _acc_tile(inp, out, Y, a, b, tx, ty, grid):
+def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
+              s_tab, z_tab, gs, lo, hi, sym):
     """One tile of the accumulator wavefront: target, rounding, and its ``Y`` update."""
-    W, F, useF, AO, AI = inp
-    Wq, codes, T, useT = out
     m, n = W.shape
     r0 = a * tx
     r1 = min(r0 + tx, m)
@@ -477,7 +470,7 @@ def _acc_tile(inp, out, Y, a, b, tx, ty, grid):
     for i in range(h):
         for j in range(w):
             t = Tt[i * w + j]
-            v, c = _quant(t, r0 + i, c0 + j, grid)
+            v, c = _quant(t, r0 + i, c0 + j, s_tab, z_tab, gs, lo, hi, sym)
             Wq[r0 + i, c0 + j] = v
             codes[r0 + i, c0 + j] = np.int16(c)
             if useT:
@@ -490,7 +483,8 @@ def _acc_tile(inp, out, Y, a, b, tx, ty, grid):
 
 
 @njit(cache=True)
-def antidiagonal_accumulator(inp, out, Y, tx, ty, grid):
+def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, Y, tx, ty,
+                             s_tab, z_tab, gs, lo, hi, sym):
     """Two-sided anti-diagonal wavefront with the accumulator ``Y = G_O^T Ẽ``
     (docs/algorithm.md): the steps of ``schedule.tile_wavefront``, one per anti-diagonal; each tile fuses its target ``W + F + Y[a, >=b] G_I[>=b, b]``
     (a small BLAS product), its rounding and its ``Y`` update (another). Tiles of one
@@ -498,23 +492,23 @@ def antidiagonal_accumulator(inp, out, Y, tx, ty, grid):
     could run in parallel; on the CPU the tiles of a diagonal run one after the other, as
     a prange over them measured slower (thread hand-offs per diagonal, and BLAS calls from
     worker threads contend with BLAS's own threads; docs/engines.md)."""
-    m, n = inp.W.shape
+    m, n = W.shape
     M = (m + tx - 1) // tx
     N = (n + ty - 1) // ty
     Y[:, :] = 0.0
     for s in range(M + N - 2, -1, -1):
         for a in range(max(0, s - N + 1), min(M - 1, s) + 1):
-            _acc_tile(inp, out, Y, a, s - a, tx, ty, grid)
+            _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, s - a, tx, ty,
+                      s_tab, z_tab, gs, lo, hi, sym)
 
 
 @njit(cache=True)
-def antidiagonal_direct(inp, out, two_sided, E, tx, ty, grid):
+def antidiagonal_direct(W, F, useF, AO, AI, two_sided, Wq, codes, T, useT, E, tx, ty,
+                        s_tab, z_tab, gs, lo, hi, sym):
     """Anti-diagonal wavefront with every target from (1) over its dominating region:
     ``T_ab = W_ab + G_O[>=a, a]^T (E[>=a, >=b] G_I[>=b, b])`` by two BLAS products per tile
     (``O(m^2 n^2 / t)`` work: the baseline published speed-ups are quoted against).
     One-sided: one product per column of tiles."""
-    W, F, useF, AO, AI = inp
-    Wq, codes, T, useT = out
     m, n = W.shape
     M = (m + tx - 1) // tx
     N = (n + ty - 1) // ty
@@ -532,7 +526,7 @@ def antidiagonal_direct(inp, out, two_sided, E, tx, ty, grid):
                 for j in range(w):
                     base = W[i, c0 + j] + F[i, c0 + j] if useF else W[i, c0 + j]
                     t = base + V[i * w + j]
-                    v, c = _quant(t, i, c0 + j, grid)
+                    v, c = _quant(t, i, c0 + j, s_tab, z_tab, gs, lo, hi, sym)
                     Wq[i, c0 + j] = v
                     codes[i, c0 + j] = np.int16(c)
                     if useT:
@@ -561,7 +555,7 @@ def antidiagonal_direct(inp, out, two_sided, E, tx, ty, grid):
                 for j in range(w):
                     base = W[r0 + i, c0 + j] + F[r0 + i, c0 + j] if useF else W[r0 + i, c0 + j]
                     t = base + Tt[i * w + j]
-                    v, c = _quant(t, r0 + i, c0 + j, grid)
+                    v, c = _quant(t, r0 + i, c0 + j, s_tab, z_tab, gs, lo, hi, sym)
                     Wq[r0 + i, c0 + j] = v
                     codes[r0 + i, c0 + j] = np.int16(c)
                     if useT:

@@ -24,6 +24,7 @@ exactly in float64 and up to near-ties in float32 (docs/algorithm.md, "float32")
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import numpy as np
@@ -96,13 +97,9 @@ class _Operands:
         self.lo, self.hi = dt.type(lo), dt.type(hi)
         self.sym = q.symmetric
 
-    def kernel_args(self, K, F=None):
-        """The kernels' ``Inputs`` (with offsets ``F`` when given), ``Outputs`` and ``Grid``."""
-        AO = self.dummy if self.AO is None else self.AO
-        inp = K.Inputs(self.W, self.dummy if F is None else F, F is not None, AO, self.AI)
-        out = K.Outputs(self.Wq, self.codes, self.T, self.record_targets)
-        grid = K.Grid(self.s, self.z, self.gs, self.lo, self.hi, self.sym)
-        return inp, out, grid
+    def grid(self):
+        """The scalar grid's arguments: scales, zero points, group size, code range, symmetry."""
+        return self.s, self.z, self.gs, self.lo, self.hi, self.sym
 
     def result(self) -> EngineResult:
         return EngineResult(values=self.Wq, codes=self.codes,
@@ -149,6 +146,14 @@ def op_table(plan: RecursionPlan):
     return table, total
 
 
+@functools.lru_cache(maxsize=32)
+def _cached_table(m: int, n: int, tx: int, ty: int, base: int, two: bool):
+    """``op_table`` of the recursion plan, built once per shape (the kernel only reads it)."""
+    from bakron.solvers.schedule import tile_edges
+
+    return op_table(RecursionPlan(tile_edges(m, tx), tile_edges(n, ty), base, two))
+
+
 def run(p, method: str, base: int, variant: str) -> EngineResult:
     """Run ``method`` (``recursive`` or ``antidiagonal``) compiled; new arrays out."""
     if not CAPABILITIES.runs(method, variant):
@@ -156,24 +161,27 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
     K = _kernels()
     g = _Operands(p)
     two = g.AO is not None
+    AO = g.AO if two else g.dummy
     if method == "antidiagonal":
-        inp, out, grid = g.kernel_args(K)
         if variant == "direct":
             E = np.empty((p.m, p.n), dtype=g.dtype)     # the errors, kept in full
-            K.antidiagonal_direct(inp, out, two, E, p.tx, p.ty, grid)
+            K.antidiagonal_direct(g.W, g.dummy, False, AO, g.AI, two, g.Wq, g.codes, g.T,
+                                  g.record_targets, E, p.tx, p.ty, *g.grid())
         elif two:
             Y = np.empty((p.m, p.n), dtype=g.dtype)     # the accumulator G_O^T Ẽ
-            K.antidiagonal_accumulator(inp, out, Y, p.tx, p.ty, grid)
+            K.antidiagonal_accumulator(g.W, g.dummy, False, AO, g.AI, g.Wq, g.codes, g.T,
+                                       g.record_targets, Y, p.tx, p.ty, *g.grid())
         else:  # one-sided accumulator: the column sweep, row tiles in parallel if it pays
             block = K.base_one_sided_par if p.m * p.n * p.n >= 2 * K.PAR_MIN_WORK else \
                 K.base_one_sided
-            block(inp, out, g.dummy, False, 0, p.m, 0, p.n, p.tx, p.ty, grid)
+            block(g.W, g.dummy, False, g.AI, g.Wq, g.codes, g.T, g.record_targets, g.dummy,
+                  False, 0, p.m, 0, p.n, p.tx, p.ty, *g.grid())
         return g.result()
-    ops, scratch = op_table(RecursionPlan(p.rows, p.cols, base, two))
+    ops, scratch = _cached_table(p.m, p.n, p.tx, p.ty, int(base), two)
     FE = np.zeros((p.m, p.n), dtype=g.dtype)   # offsets F of unsolved blocks, errors E of solved
     buf = np.empty(max(scratch, 1), dtype=g.dtype)
-    inp, out, grid = g.kernel_args(K, FE)
-    K.run_plan(ops, inp, out, two, buf, p.tx, p.ty, PANEL, grid)
+    K.run_plan(ops, g.W, FE, AO, g.AI, two, g.Wq, g.codes, g.T, g.record_targets, buf, p.tx,
+               p.ty, PANEL, *g.grid())
     return g.result()
 
 

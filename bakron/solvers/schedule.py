@@ -36,6 +36,7 @@ independent, so they join every step of the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 def tile_edges(size: int, t: int) -> list[int]:
@@ -125,7 +126,7 @@ class RecursionPlan:
     ``sequence``
         depth-first, one operation at a time: :class:`Block` (solve this leaf) or
         :class:`Update`; the order of the array-API and numba executors.
-    ``phases``
+    ``phases`` (built on first use)
         level-synchronous: ``("leaves", [Block, ...])`` (independent leaves, solvable
         together) or ``("update", Update)``; the order of the CUDA engine. Every ``F``
         region receives the same updates in the same order as in ``sequence``.
@@ -141,8 +142,12 @@ class RecursionPlan:
         self.root = Block(0, self.M, 0, self.N)
         self.sequence: list = []
         self._depth_first(self.root, 0)
-        self.phases: list = []
-        self._level_synchronous([self.root], 0)
+
+    @cached_property
+    def phases(self) -> list:
+        out: list = []
+        self._level_synchronous([self.root], 0, out)
+        return out
 
     # -- the tree ------------------------------------------------------------------------
     def split(self, blk: Block) -> str:
@@ -192,18 +197,18 @@ class RecursionPlan:
             if ph < len(phases) - 1:
                 self.sequence.append(self.update(blk, ph, level))
 
-    def _level_synchronous(self, blocks: list[Block], level: int) -> None:
+    def _level_synchronous(self, blocks: list[Block], level: int, out: list) -> None:
         if all(self.split(b) == "leaf" for b in blocks):
-            self.phases.append(("leaves", blocks))
+            out.append(("leaves", blocks))
             return
         kids = [self.children(b) for b in blocks]
         for ph in range(3):
             sub = [c for ch in kids for c in (ch[ph] if ph < len(ch) else [])]
             if sub:
-                self._level_synchronous(sub, level + 1)
+                self._level_synchronous(sub, level + 1, out)
             for ch, b in zip(kids, blocks):
                 if ph < len(ch) - 1 and self.split(b) != "leaf":
-                    self.phases.append(("update", self.update(b, ph, level)))
+                    out.append(("update", self.update(b, ph, level)))
 
     def leaves(self) -> list[Block]:
         return [op for op in self.sequence if isinstance(op, Block)]
