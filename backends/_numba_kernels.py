@@ -486,8 +486,9 @@ def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
 def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, Y, tx, ty,
                              s_tab, z_tab, gs, lo, hi, sym):
     """Two-sided anti-diagonal wavefront with the accumulator ``Y = G_O^T Ẽ``
-    (docs/algorithm.md): the steps of ``schedule.tile_wavefront``, one per anti-diagonal; each tile fuses its target ``W + F + Y[a, >=b] G_I[>=b, b]``
-    (a small BLAS product), its rounding and its ``Y`` update (another). Tiles of one
+    (docs/algorithm.md): the steps of ``schedule.tile_wavefront``, one per anti-diagonal;
+    each tile fuses its target ``W + F + Y[a, >=b] G_I[>=b, b]`` (a small BLAS product), its
+    rounding and its ``Y`` update (another). Tiles of one
     diagonal write disjoint columns of ``Y`` and read none that another writes, so they
     could run in parallel; on the CPU the tiles of a diagonal run one after the other, as
     a prange over them measured slower (thread hand-offs per diagonal, and BLAS calls from

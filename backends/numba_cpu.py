@@ -1,8 +1,8 @@
 """The numba CPU engine: compiled base blocks, the recursion driving BLAS, the baselines.
 
 Selected by ``bakron.solve(..., engine="numba")``, and by ``engine="auto"`` for numpy inputs
-with a :class:`bakron.UniformQuantizer` when numba imports (``CAPABILITIES``). numba is imported only when this
-engine first runs (``import bakron`` never imports it).
+with a :class:`bakron.UniformQuantizer` when numba imports (``CAPABILITIES``). numba is
+imported only when this engine first runs (``import bakron`` never imports it).
 
 What runs compiled (``backends/_numba_kernels.py``):
 
@@ -110,9 +110,9 @@ class _Operands:
 def op_table(plan: RecursionPlan):
     """The recursion plan as the op table of ``run_plan``: rows ``[op, r0, r_, r1, c0, c_,
     c1, scratch offset]`` (elements; op ``OP_LEAF`` or the ``OP_*`` of the update kind, defined
-    with the kernel), in the plan's depth-first order; returns ``(table, scratch size)``. Scratch: one region per
-    recursion level, so that a quadrant node keeps ``X = E_D A_I[C2, C1]`` while its B and C
-    are solved."""
+    with the kernel), in the plan's depth-first order; returns ``(table, scratch size)``.
+    Scratch: one region per recursion level, so that a quadrant node keeps
+    ``X = E_D A_I[C2, C1]`` while its B and C are solved."""
     K = _kernels()
     code = {AFTER_D: K.OP_AFTER_D, AFTER_BC: K.OP_AFTER_BC, AFTER_RIGHT: K.OP_AFTER_RIGHT,
             AFTER_BOTTOM: K.OP_AFTER_BOTTOM}
@@ -159,30 +159,30 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
     if not CAPABILITIES.runs(method, variant):
         raise ValueError(f"method={method!r} is not available on engine {NAME!r}")
     K = _kernels()
-    g = _Operands(p)
-    two = g.AO is not None
-    AO = g.AO if two else g.dummy
+    io = _Operands(p)                          # inputs, outputs and grid of the kernels
+    two = io.AO is not None
+    AO = io.AO if two else io.dummy
     if method == "antidiagonal":
         if variant == "direct":
-            E = np.empty((p.m, p.n), dtype=g.dtype)     # the errors, kept in full
-            K.antidiagonal_direct(g.W, g.dummy, False, AO, g.AI, two, g.Wq, g.codes, g.T,
-                                  g.record_targets, E, p.tx, p.ty, *g.grid())
+            E = np.empty((p.m, p.n), dtype=io.dtype)     # the errors, kept in full
+            K.antidiagonal_direct(io.W, io.dummy, False, AO, io.AI, two, io.Wq, io.codes, io.T,
+                                  io.record_targets, E, p.tx, p.ty, *io.grid())
         elif two:
-            Y = np.empty((p.m, p.n), dtype=g.dtype)     # the accumulator G_O^T Ẽ
-            K.antidiagonal_accumulator(g.W, g.dummy, False, AO, g.AI, g.Wq, g.codes, g.T,
-                                       g.record_targets, Y, p.tx, p.ty, *g.grid())
+            Y = np.empty((p.m, p.n), dtype=io.dtype)     # the accumulator G_O^T Ẽ
+            K.antidiagonal_accumulator(io.W, io.dummy, False, AO, io.AI, io.Wq, io.codes, io.T,
+                                       io.record_targets, Y, p.tx, p.ty, *io.grid())
         else:  # one-sided accumulator: the column sweep, row tiles in parallel if it pays
             block = K.base_one_sided_par if p.m * p.n * p.n >= 2 * K.PAR_MIN_WORK else \
                 K.base_one_sided
-            block(g.W, g.dummy, False, g.AI, g.Wq, g.codes, g.T, g.record_targets, g.dummy,
-                  False, 0, p.m, 0, p.n, p.tx, p.ty, *g.grid())
-        return g.result()
+            block(io.W, io.dummy, False, io.AI, io.Wq, io.codes, io.T, io.record_targets,
+                  io.dummy, False, 0, p.m, 0, p.n, p.tx, p.ty, *io.grid())
+        return io.result()
     ops, scratch = _cached_table(p.m, p.n, p.tx, p.ty, int(base), two)
-    FE = np.zeros((p.m, p.n), dtype=g.dtype)   # offsets F of unsolved blocks, errors E of solved
-    buf = np.empty(max(scratch, 1), dtype=g.dtype)
-    K.run_plan(ops, g.W, FE, AO, g.AI, two, g.Wq, g.codes, g.T, g.record_targets, buf, p.tx,
-               p.ty, PANEL, *g.grid())
-    return g.result()
+    FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets F of unsolved blocks, errors E of solved
+    buf = np.empty(max(scratch, 1), dtype=io.dtype)
+    K.run_plan(ops, io.W, FE, AO, io.AI, two, io.Wq, io.codes, io.T, io.record_targets, buf,
+               p.tx, p.ty, PANEL, *io.grid())
+    return io.result()
 
 
 def auto_base(p) -> int:

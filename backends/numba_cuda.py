@@ -109,7 +109,7 @@ def available() -> bool:
 # the run context: buffers, stream, kernel launches, GEMMs
 # ------------------------------------------------------------------------------------------
 
-class _Run:
+class _DeviceSolve:
     """Everything one solve needs on the device; ``Wq``, ``codes`` (and ``T``) are the new
     output arrays of this solve."""
 
@@ -409,12 +409,12 @@ def _cached(key, build):
     return hit
 
 
-def _key(r: _Run, method: str, base: int):
+def _key(r: _DeviceSolve, method: str, base: int):
     p = r.p
     return (method, base, p.m, p.n, p.tx, p.ty, p.two_sided, r.dev, SIM)
 
 
-def _antidiagonal(r: _Run) -> None:
+def _antidiagonal(r: _DeviceSolve) -> None:
     """The whole matrix as one block: one launch of the tile wavefront's steps."""
     p = r.p
     mod = r.mod
@@ -431,7 +431,7 @@ class _WavePlan:
     batched GEMMs that gather the blocks' base targets, one launch, batched GEMMs that
     scatter their errors."""
 
-    def __init__(self, r: _Run, cs: int):
+    def __init__(self, r: _DeviceSolve, cs: int):
         p = r.p
         m, n = p.m, p.n
         R, C = p.rows, p.cols
@@ -505,7 +505,7 @@ class _WavePlan:
             self.bidx_dev = r.device_table(bidx)
 
 
-def _pointers(r: _Run, plan: _WavePlan, bufs: dict):
+def _pointers(r: _DeviceSolve, plan: _WavePlan, bufs: dict):
     """Device pointer table of the planned batched GEMMs for this solve's buffers (one
     element-wise launch with the base addresses as scalars: no host-to-device copy)."""
     global _PTRK
@@ -523,7 +523,7 @@ def _pointers(r: _Run, plan: _WavePlan, bufs: dict):
     return _PTRK(plan.offs_dev, plan.bidx_dev, r.isz, *base)
 
 
-def _wavefront(r: _Run, cs: int) -> None:
+def _wavefront(r: _DeviceSolve, cs: int) -> None:
     """The two-level wavefront: one launch per coarse step, batched GEMMs around it."""
     p = r.p
     mod = r.mod
@@ -541,7 +541,7 @@ def _wavefront(r: _Run, cs: int) -> None:
             r.gemm_batched(plan.ops[g], ptrs)
 
 
-def _recursive(r: _Run, base: int) -> None:
+def _recursive(r: _DeviceSolve, base: int) -> None:
     """The recursion plan level by level: all the leaves of a phase in one launch, the
     updates between them as cuBLAS GEMMs on views (no copies)."""
     p = r.p
@@ -577,51 +577,51 @@ def _recursive(r: _Run, base: int) -> None:
             _update(r, what, E, F, kept)
 
 
-def _update(r: _Run, u, E, F, kept: dict) -> None:
+def _update(r: _DeviceSolve, u, E, F, kept: dict) -> None:
     """One update of the recursion plan (``schedule.Update`` says what each kind adds)."""
     mod = r.mod
     AO, AI = r.AO, r.AI
-    g = r.gemm_view
+    gemm = r.gemm_view
     r0, r_, r1 = u.rows
     c0, c_, c1 = u.cols
     if u.kind == AFTER_D:
         ED = E[r_:r1, c_:c1]
         X = mod.empty((r1 - r_, c1 - c_), dtype=E.dtype)
-        g(X, ED, AI[c_:c1, c_:c1], beta=0.0)
+        gemm(X, ED, AI[c_:c1, c_:c1], beta=0.0)
         X += ED                                       # E_D G_I[C2,C2]
-        g(F[r0:r_, c_:c1], AO[r_:r1, r0:r_], X, ta=True)   # -> B
+        gemm(F[r0:r_, c_:c1], AO[r_:r1, r0:r_], X, ta=True)   # -> B
         Z = mod.empty((r1 - r_, c_ - c0), dtype=E.dtype)
-        g(Z, ED, AI[c_:c1, c0:c_], beta=0.0)          # E_D A_I[C2,C1]
+        gemm(Z, ED, AI[c_:c1, c0:c_], beta=0.0)          # E_D A_I[C2,C1]
         FC = F[r_:r1, c0:c_]
         FC += Z
-        g(FC, AO[r_:r1, r_:r1], Z, ta=True)            # -> C
+        gemm(FC, AO[r_:r1, r_:r1], Z, ta=True)            # -> C
         kept[u.block] = Z
     elif u.kind == AFTER_BC:
         EB = E[r0:r_, c_:c1]
         EC = E[r_:r1, c0:c_]
         FA = F[r0:r_, c0:c_]
         U = mod.empty((r_ - r0, c_ - c0), dtype=E.dtype)
-        g(U, EB, AI[c_:c1, c0:c_], beta=0.0)          # E_B A_I[C2,C1]
+        gemm(U, EB, AI[c_:c1, c0:c_], beta=0.0)          # E_B A_I[C2,C1]
         FA += U
-        g(FA, AO[r0:r_, r0:r_], U, ta=True)
+        gemm(FA, AO[r0:r_, r0:r_], U, ta=True)
         V = kept.pop(u.block)                         # E_D A_I[C2,C1]
         V += EC
-        g(V, EC, AI[c0:c_, c0:c_])                    # + E_C G_I[C1,C1]
-        g(FA, AO[r_:r1, r0:r_], V, ta=True)
+        gemm(V, EC, AI[c0:c_, c0:c_])                    # + E_C G_I[C1,C1]
+        gemm(FA, AO[r_:r1, r0:r_], V, ta=True)
     elif u.kind == AFTER_RIGHT:
         Er = E[r0:r1, c_:c1]
         Z = mod.empty((r1 - r0, c_ - c0), dtype=E.dtype)
-        g(Z, Er, AI[c_:c1, c0:c_], beta=0.0)
+        gemm(Z, Er, AI[c_:c1, c0:c_], beta=0.0)
         FL = F[r0:r1, c0:c_]
         FL += Z
         if r.p.two_sided:
-            g(FL, AO[r0:r1, r0:r1], Z, ta=True)
+            gemm(FL, AO[r0:r1, r0:r1], Z, ta=True)
     elif u.kind == AFTER_BOTTOM:
         Eb = E[r_:r1, c0:c1]
         X = mod.empty((r1 - r_, c1 - c0), dtype=E.dtype)
-        g(X, Eb, AI[c0:c1, c0:c1], beta=0.0)
+        gemm(X, Eb, AI[c0:c1, c0:c1], beta=0.0)
         X += Eb
-        g(F[r0:r_, c0:c1], AO[r_:r1, r0:r_], X, ta=True)
+        gemm(F[r0:r_, c0:c1], AO[r_:r1, r0:r_], X, ta=True)
     else:  # pragma: no cover - the plan makes only these
         raise AssertionError(f"unknown update {u.kind!r}")
 
@@ -635,7 +635,7 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
     """Run ``method`` on the GPU; new arrays out (``info``: kernel launches and GEMM calls)."""
     if not CAPABILITIES.runs(method, variant):
         raise ValueError(f"method={method!r} is not available on engine {NAME!r}")
-    r = _Run(p)
+    r = _DeviceSolve(p)
     if method == "antidiagonal":
         _antidiagonal(r)
     elif method == "wavefront":

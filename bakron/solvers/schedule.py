@@ -40,7 +40,8 @@ from functools import cached_property
 
 
 def tile_edges(size: int, t: int) -> list[int]:
-    """Tile boundaries ``[0, t, 2t, ..., size]``; the last tile is smaller when t does not divide."""
+    """Tile boundaries ``[0, t, 2t, ..., size]``; the last tile is smaller when t does not
+    divide ``size``."""
     return list(range(0, size, t)) + [size]
 
 
