@@ -157,6 +157,27 @@ def test_engines_hand_back_new_arrays():
         np.testing.assert_array_equal(x, x0)
 
 
+def test_engines_leave_the_problem_as_it_was():
+    """An engine reads the Problem and writes none of its fields (no outputs stored on it)."""
+    import array_api_compat.numpy as xnp
+
+    from bakron.solvers._problem import Problem
+
+    W, f_in, f_out = problem(2, 20, 18, 4, 4)
+    q = bakron.UniformQuantizer.fit(W, 3)
+    for name in ENGINE_NAMES:
+        eng = engines.load(name)
+        if eng is None or eng.CAPABILITIES.namespaces == ("cupy",):
+            continue
+        for method in ("recursive", "antidiagonal"):
+            p = Problem(xnp, W, f_out.A, f_in.A, q, (4, 4), record_targets=True)
+            before = dict(p.__dict__)
+            out = eng.run(p, method, 2, "accumulator")
+            assert p.__dict__.keys() == before.keys(), name
+            assert all(p.__dict__[k] is v for k, v in before.items()), name
+            assert out.values.shape == W.shape and out.targets is not None
+
+
 # ------------------------------------------------------------------------------------------
 # the schedule
 # ------------------------------------------------------------------------------------------
