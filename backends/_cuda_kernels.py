@@ -88,6 +88,19 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
     def block_kernel(W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc,
                      m, n, nblk, nsteps, flags, s_rows, s_cols, z_rows, z_cols, gsz,
                      lo_i, hi_i):
+        """Solve ``nblk`` blocks. Arguments, in four groups (flat row-major arrays):
+
+        * the problem: ``W`` (m x n), ``AO`` (m x m; unused one-sided), ``AI`` (n x n);
+        * the buffers: ``F`` (offsets, then each block's local accumulator; where a block's
+          live is in its descriptor), ``E`` (errors, m x n), ``Yg`` (the two-level wavefront's
+          global accumulator, used with ``HAS_YG``), the outputs ``Wq``, ``codes``, ``T``
+          (targets, with ``HAS_T``);
+        * the schedule: ``desc`` (``nblk`` descriptors of ``DESC`` fields), ``m``, ``n``,
+          ``nblk``, ``nsteps`` (grid-synchronised steps of this launch), ``flags``;
+        * the grid of the quantizer: scales ``S`` (``s_rows`` x ``s_cols``), zero points ``Z``
+          (``z_rows`` x ``z_cols``, with ``ASYM``), the group size ``gsz`` and the code range
+          ``lo_i``..``hi_i``.
+        """
         sAO = cuda.shared.array((KC, TX), dt)
         sE = cuda.shared.array((KC, TY), dt)
         sY = cuda.shared.array((TX, KC), dt)

@@ -198,12 +198,14 @@ class _DeviceSolve:
         else:
             dsc = self._arg(desc)[first * DESC:]
         a = self._arg
-        args = (a(W), a(self.AO if self.AO is not None else W), a(self.AI), a(F), a(self.E),
-                a(Yg if Yg is not None else W), a(self.Wq), a(self.codes), a(self.S),
-                a(self.Z if self.Z is not None else self.S), a(self.T if self.T is not None else W),
-                dsc, self.m, self.n, nblk, nsteps, flags | self.flags0,
-                self.s_shape[0], self.s_shape[1], self.z_shape[0], self.z_shape[1], self.gsz,
-                self.lo, self.hi)
+        problem = (a(W), a(self.AO if self.AO is not None else W), a(self.AI))
+        buffers = (a(F), a(self.E), a(Yg if Yg is not None else W), a(self.Wq), a(self.codes),
+                   a(self.T if self.T is not None else W))
+        schedule = (dsc, self.m, self.n, nblk, nsteps, flags | self.flags0)
+        quant_grid = (a(self.S), a(self.Z if self.Z is not None else self.S),
+                      self.s_shape[0], self.s_shape[1], self.z_shape[0], self.z_shape[1],
+                      self.gsz, self.lo, self.hi)
+        args = _kernel_order(problem, buffers, schedule, quant_grid)
         grid = max(1, min(grid, self.max_grid()))
         self.launches += 1
         if SIM:
@@ -362,6 +364,17 @@ def _strided(buf, off, shape, ld):
     flat = buf.reshape(-1)
     isz = flat.itemsize
     return np.lib.stride_tricks.as_strided(flat[off:], shape=shape, strides=(ld * isz, isz))
+
+
+def _kernel_order(problem, buffers, schedule, quant_grid) -> tuple:
+    """The kernel's positional arguments from its four groups (``_cuda_kernels.make_kernel``:
+    ``W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, m, n, nblk, nsteps, flags, s_rows,
+    s_cols, z_rows, z_cols, gsz, lo, hi``)."""
+    W, AO, AI = problem
+    F, E, Yg, Wq, codes, T = buffers
+    S, Z, s_rows, s_cols, z_rows, z_cols, gsz, lo, hi = quant_grid
+    return (W, AO, AI, F, E, Yg, Wq, codes, S, Z, T) + tuple(schedule) + (
+        s_rows, s_cols, z_rows, z_cols, gsz, lo, hi)
 
 
 def _fallback_to_arrays(exc) -> None:
