@@ -14,6 +14,20 @@ Conventions
   their idle workers spin against each other on a 2-core machine). Otherwise an adapter to
   the ``?gemm`` that numba binds to SciPy's ``cython_blas``. Either is registered under a
   fixed symbol name before any kernel is linked, so the on-disk cache stays valid.
+
+Arguments
+---------
+The kernels take their arguments positionally, always in these groups and this order
+(``numba_cpu._Operands`` prepares them; named tuples were tried and dropped: numba's on-disk
+cache crashed when a new process reloaded kernels compiled with them):
+
+* the problem and offsets: ``W, F, useF`` (``F``, the feedback a block received from outside,
+  is read only when ``useF``), the factors ``AO`` (a 1 x 1 placeholder one-sided) and ``AI``;
+* the outputs: ``Wq, codes, T, useT`` (targets written only when ``useT``), and where a
+  block's errors go: ``FE, writeE``;
+* the block and the tile: element ranges ``R0, R1, C0, C1``, tile ``tx, ty``;
+* the quantizer's scalar grid, always last: ``s_tab, z_tab, gs, lo, hi, sym`` (scale and
+  zero-point tables, group size, code range in the working dtype, symmetric).
 """
 from __future__ import annotations
 
