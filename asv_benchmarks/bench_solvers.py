@@ -5,10 +5,10 @@
 * ``track_time_over_floor``: median solve time ÷ median time of the floor product
   ``G_Oᵀ W G_I`` (numpy, same dtype), measured alongside — lower is better;
 * ``track_proxy_over_rtn``: proxy error ``tr(E H_I Eᵀ H_O) / tr(W H_I Wᵀ H_O)`` of the result
-  ÷ that of round-to-nearest — lower is better (> 1 happens at 2 bits, SPEC §7);
+  ÷ that of round-to-nearest — lower is better (> 1 happens at 2 bits);
 * ``track_extra_memory_mn``: peak array memory allocated by one solve (tracemalloc), in
-  units of ``m n`` elements of the dtype, outputs included — lower is better; issue 3 asks
-  ≤ 3 for the recursive solver (the factors are passed in W's dtype, so no cast counts).
+  units of ``m n`` elements of the dtype, outputs included — lower is better; the project's
+  budget is ≤ 3 for the recursive solver (the factors are passed in W's dtype, so no cast counts).
 
 Default run: 256² … 2048², float32 and float64, engines numba and array_api; slow
 combinations (the O(n⁴) direct anti-diagonal beyond 1024², the array-API engine beyond
