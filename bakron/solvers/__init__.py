@@ -129,6 +129,11 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     -------
     SolveResult
     """
+    if isinstance(quantizer, (list, tuple)) or any(getattr(a, "ndim", 2) > 2 for a in (W, A_in, A_out)):  # noqa: E501
+        from .stack import solve_stack  # a stack (..., m, n) of layers: docs/stacks.md
+        return solve_stack(W, A_out, A_in, quantizer, tile=tile, method=method, engine=engine,
+                           variant=variant, base=base, return_targets=return_targets,
+                           max_naive_bytes=max_naive_bytes)
     xp = _xp.namespace(W, A_out, A_in)
     check_matrix(xp, W, "W")
     dtype = _xp.float_dtype(xp, W, "W")

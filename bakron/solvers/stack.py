@@ -1,0 +1,498 @@
+"""Stacks of layers: :func:`bakron.solve` on ``W`` of shape ``(..., m, n)``.
+
+The leading axes are a *stack* (batch) in the Array API's ``linalg`` sense: ``W`` ``(..., m,
+n)``, ``A_out`` ``(..., m, m)`` or ``None``, ``A_in`` ``(..., n, n)``; their leading shapes
+broadcast (a factor of shape ``(m, m)`` or ``(1, m, m)`` is shared by every item). The
+quantizer is one object shared by every item or a sequence with one quantizer per item (flat,
+in C order over the stack shape). Every item is solved exactly as :func:`bakron.solve` would
+solve it alone: the result is bitwise identical to the one-by-one loop.
+
+How a stack runs (``SolveResult.info["stack"]`` says which path ran):
+
+1. Everything is validated before any work (shapes, lengths, dtypes, devices, tiles, every
+   distinct factor's structure, the engine).
+2. The stack is cut into *chunks* whose working memory fits ``max_bytes`` (``4 m n`` elements
+   per item at most, besides the inputs and the stacked outputs).
+3. A chunk goes to the engine in one call when the engine has ``solve_stack`` (the hook for a
+   one-launch GPU version); otherwise its items go through the single-layer solve, on
+   ``workers`` threads when the engine says its kernels release the GIL (``stack_threads``),
+   with BLAS and numba threads split so that workers × threads ≤ cores.
+
+See docs/stacks.md for the engine contract and the measurements.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import time
+import types
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _xp
+from .._validate import check_factor_shape, check_finite, check_tile
+
+__all__ = ["solve_stack", "StackChunk", "stack_shape"]
+
+#: Upper bound on the working memory of one item, in elements of W's dtype: the single-layer
+#: solve's own buffers (about 2.4 m n for the recursion) and the item's output before it is
+#: copied into the stack.
+ITEM_WORK_MN = 4
+
+
+@dataclass
+class StackChunk:
+    """Items ``[start, stop)`` of a validated stack, as an engine's ``solve_stack`` gets them.
+
+    ``W``, ``A_out``, ``A_in`` are the flattened inputs (``(k, m, n)``, ``(kO, m, m)`` or
+    ``None``, ``(kI, n, n)``; factors already in W's dtype) and ``w_index``, ``out_index``,
+    ``in_index`` map an item (0 … B-1) to its row in each; ``quantizers[i]`` is item ``i``'s
+    quantizer. The engine writes ``values[i]`` (and ``codes[i]``, ``targets[i]`` when those
+    are not ``None``) for ``i`` in the chunk and returns a list of per-item ``info`` dicts, or
+    ``None`` to decline (the stack layer then solves the items one by one).
+    """
+
+    start: int
+    stop: int
+    W: Any
+    A_out: Any
+    A_in: Any
+    w_index: np.ndarray
+    out_index: np.ndarray | None
+    in_index: np.ndarray
+    quantizers: list
+    tile: tuple
+    method: str
+    base: int | None
+    variant: str
+    values: Any
+    codes: Any
+    targets: Any
+
+    def item(self, i: int):
+        """``(W_i, A_out_i, A_in_i, quantizer_i)`` of item ``i`` (2-D views)."""
+        A_out = None if self.A_out is None else self.A_out[int(self.out_index[i]), ...]
+        return (self.W[int(self.w_index[i]), ...], A_out, self.A_in[int(self.in_index[i]), ...],
+                self.quantizers[i])
+
+
+def stack_shape(W, A_out, A_in) -> tuple[int, ...]:
+    """The broadcast stack shape of ``W`` ``(..., m, n)`` and the factors, or a ``ValueError``
+    naming the shapes that do not broadcast."""
+    parts = [("W", W), ("A_out", A_out), ("A_in", A_in)]
+    shapes = {name: tuple(a.shape[:-2]) for name, a in parts if a is not None}
+    try:
+        return tuple(np.broadcast_shapes(*shapes.values()))
+    except ValueError:
+        desc = ", ".join(f"{k} {v}" for k, v in shapes.items())
+        raise ValueError(f"the stack shapes do not broadcast: {desc} (the leading axes of W, "
+                         f"A_out and A_in must broadcast as in numpy; use shape 1 or no axis "
+                         f"for a factor shared by every item)") from None
+
+
+def _namespace(W, A_out, A_in):
+    try:
+        return _xp.namespace(W, A_out, A_in)
+    except TypeError as e:
+        kinds = ", ".join(f"{n} {type(a).__module__}.{type(a).__name__}"
+                          for n, a in (("W", W), ("A_out", A_out), ("A_in", A_in))
+                          if a is not None)
+        raise TypeError(f"W, A_out and A_in must be arrays of one array library on one device; "
+                        f"got {kinds} ({e})") from None
+
+
+def _check_stack_array(a, name: str, what: str) -> None:
+    if not hasattr(a, "shape") or len(a.shape) < 2:
+        raise ValueError(f"{name} must have shape {what}, got shape {getattr(a, 'shape', None)}")
+
+
+def _check_factor_dtype(xp, A, name: str) -> None:
+    if not (A.dtype == xp.float32 or A.dtype == xp.float64):
+        raise TypeError(f"{name} has dtype {A.dtype}; a factor must be float32 or float64 "
+                        f"(it is cast to W's dtype, as in the single-layer solve)")
+
+
+def _check_device(A, name: str, dev) -> None:
+    d = _xp.device(A)
+    if str(d) != str(dev):
+        raise ValueError(f"{name} is on device {d} but W is on device {dev}; move every array "
+                         f"of a stack to one device")
+
+
+def _quantizer_list(quantizer, B: int) -> list:
+    """One quantizer per item: a shared quantizer, or a sequence of length B (or 1)."""
+    if isinstance(quantizer, (list, tuple)):
+        if len(quantizer) not in (B, 1):
+            raise ValueError(f"quantizer is a sequence of {len(quantizer)} quantizers but the "
+                             f"stack has {B} items; give one quantizer per item (flat, in C "
+                             f"order over the stack shape) or one shared quantizer")
+        qs = list(quantizer) if len(quantizer) == B else list(quantizer) * B
+    else:
+        qs = [quantizer] * B
+    for i, q in enumerate(qs):
+        if not callable(getattr(q, "quantize", None)):
+            where = f"quantizer[{i}]" if isinstance(quantizer, (list, tuple)) else "quantizer"
+            raise TypeError(f"{where} must have a method quantize(targets) -> (values, codes); "
+                            f"got {type(q).__name__}")
+    return qs
+
+
+def _flat(xp, a, stack: tuple[int, ...]):
+    """``a`` (…, r, c) as ``(k, r, c)`` and the row of each of the ``B`` items in it."""
+    lead = tuple(a.shape[:-2])
+    k = math.prod(lead)
+    flat = xp.reshape(a, (k, *a.shape[-2:]))
+    idx = np.broadcast_to(np.arange(k).reshape(lead), stack).reshape(-1)
+    return flat, np.ascontiguousarray(idx)
+
+
+def _default_budget(xp) -> int:
+    """Working memory a stack may use when ``max_bytes`` is not given: half of the free
+    device memory on cupy, a quarter of the physical memory elsewhere."""
+    if _xp.is_cupy(xp):
+        import cupy
+
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        return int(free // 2)
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 32
+
+
+def _capability(eng, key: str):
+    """An engine's stack capability: ``eng.capabilities[key]`` when the engine has a
+    capability table, else the module attribute of that name (``None`` when absent)."""
+    caps = getattr(eng, "capabilities", None)
+    if isinstance(caps, dict) and key in caps:
+        return caps[key]
+    return getattr(eng, key, None)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def _blas_threads(n: int | None):
+    """Limit BLAS to ``n`` threads inside the block (threadpoolctl; a process-wide setting).
+    Yields the limit applied, or ``None`` when nothing was changed."""
+    if n is None:
+        yield None
+        return
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield None
+        return
+    with threadpool_limits(limits=n, user_api="blas"):
+        yield n
+
+
+def _engine_check(solvers, xp, chunk: StackChunk, engine: str, return_targets: bool) -> dict:
+    """Resolve the engine of every distinct quantizer on item 0's shapes, before any work, so
+    that an engine that cannot run the stack fails early. Returns ``{id(q): (name, module)}``.
+
+    This is the one place where the stack layer uses the single-layer solve's internals
+    (``Problem`` and the engine resolution)."""
+    from ._problem import Problem
+
+    W0, A_out0, A_in0, _ = chunk.item(0)
+    out = {}
+    for q in chunk.quantizers:
+        if id(q) in out:
+            continue
+        p = Problem(xp, W0, A_out0, A_in0, q, chunk.tile, record_targets=return_targets)
+        name, eng = ("array_api", None) if return_targets and engine == "auto" else \
+            solvers._resolve_engine(engine, p)
+        if chunk.method == "wavefront" and name != "cuda":
+            raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
+                             "engine only (cupy arrays); use 'recursive', 'antidiagonal' or "
+                             "'auto'")
+        out[id(q)] = (name, eng)
+    return out
+
+
+def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
+                engine: str = "auto", variant: str = "accumulator", base: int | None = None,
+                return_targets: bool = False, max_naive_bytes: int | None = None,
+                workers: int | None = None, max_bytes: int | None = None):
+    """Round a stack of layers: :func:`bakron.solve` over the leading axes of ``W``.
+
+    Parameters
+    ----------
+    W : array (..., m, n), float32 or float64
+        The stack of weights (not modified).
+    A_out : array (..., m, m) or None
+        ``L_O - I`` per item (``None``: one-sided for every item). Its leading shape
+        broadcasts against W's: ``(m, m)`` is one factor shared by the whole stack.
+    A_in : array (..., n, n)
+        ``L_I - I`` per item, broadcast like ``A_out``.
+    quantizer : quantizer or sequence of quantizers
+        One quantizer for every item, or one per item (a list or tuple of length
+        ``prod(stack shape)``, flat in C order; :func:`fit_quantizers` fits per-item
+        :class:`bakron.UniformQuantizer` grids).
+    tile, method, engine, variant, base, return_targets, max_naive_bytes
+        As in :func:`bakron.solve`, for every item.
+    workers : int, optional
+        Threads that solve items concurrently. Default: the number of cores when the engine
+        declares that its kernels release the GIL (``stack_threads``), else 1. With more than
+        one worker, BLAS (through threadpoolctl, when installed) and numba get
+        ``cores // workers`` threads each for the duration of the stack.
+    max_bytes : int, optional
+        Working memory for the stack (besides inputs and the stacked outputs); items are
+        taken in chunks of ``max_bytes // (4 m n itemsize)`` (at least one). Default: half of
+        the free device memory on cupy, a quarter of the physical memory elsewhere.
+
+    Returns
+    -------
+    SolveResult
+        ``values``/``codes``/``targets`` of shape ``(*stack, m, n)``; ``method``/``engine``
+        as run (comma-separated when items differ); ``info["stack"]`` says how the stack
+        was executed (items, chunks, path, workers, threads).
+    """
+    from .. import solvers
+    from . import METHODS, SolveResult
+
+    # ---- validation: nothing below runs any solve until all of it has passed -------------
+    xp = _namespace(W, A_out, A_in)
+    _check_stack_array(W, "W", "(..., m, n)")
+    _check_stack_array(A_in, "A_in", "(..., n, n)")
+    if A_out is not None:
+        _check_stack_array(A_out, "A_out", "(..., m, m)")
+    dtype = _xp.float_dtype(xp, W, "W")
+    m, n = (int(s) for s in W.shape[-2:])
+    if m == 0 or n == 0:
+        raise ValueError(f"W must not have empty matrices, got shape {tuple(W.shape)}")
+    check_factor_shape(types.SimpleNamespace(shape=tuple(A_in.shape[-2:])), n, "A_in",
+                       "A_out", m, "columns")
+    if A_out is not None:
+        check_factor_shape(types.SimpleNamespace(shape=tuple(A_out.shape[-2:])), m, "A_out",
+                           "A_in", n, "rows")
+    stack = stack_shape(W, A_out, A_in)
+    B = math.prod(stack)
+    dev = _xp.device(W)
+    for name, A in (("A_in", A_in), ("A_out", A_out)):
+        if A is not None:
+            _check_factor_dtype(xp, A, name)
+            _check_device(A, name, dev)
+    tx, ty = check_tile(tile, m, n)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if variant not in ("accumulator", "direct"):
+        raise ValueError(f"variant must be 'accumulator' or 'direct', got {variant!r}")
+    if base is not None and int(base) < 1:
+        raise ValueError(f"base must be a positive number of tiles, got {base}")
+    if workers is not None and (isinstance(workers, bool) or int(workers) != workers
+                                or workers < 1):
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    if max_bytes is not None and (int(max_bytes) != max_bytes or max_bytes < 1):
+        raise ValueError(f"max_bytes must be a positive number of bytes, got {max_bytes!r}")
+    qs = _quantizer_list(quantizer, B)
+    seen: set = set()
+    for i, q in enumerate(qs):
+        if id(q) in seen:
+            continue
+        seen.add(id(q))
+        if hasattr(q, "check_shape"):
+            try:
+                q.check_shape(m, n)
+            except ValueError as e:
+                raise ValueError(f"quantizer for item {i}: {e}") from None
+    check_finite(xp, W, "W")
+    check_finite(xp, A_in, "A_in")
+    if A_out is not None:
+        check_finite(xp, A_out, "A_out")
+
+    W_flat, w_idx = _flat(xp, W, stack)
+    # a factor in another dtype is cast once for the stack, as the single solve casts it
+    A_in_flat, in_idx = _flat(xp, xp.astype(A_in, dtype, copy=False), stack)
+    if A_out is None:
+        A_out_flat, out_idx = None, None
+    else:
+        A_out_flat, out_idx = _flat(xp, xp.astype(A_out, dtype, copy=False), stack)
+    for name, flat, idx, blk in (("A_in", A_in_flat, in_idx, ty),
+                                 ("A_out", A_out_flat, out_idx, tx)):
+        if flat is None:
+            continue
+        for j in np.unique(idx):  # each distinct factor once, however many items share it
+            label = name if flat.shape[0] == 1 else f"{name}[{int(j)}] (flattened stack)"
+            solvers._check_strictly_lower(xp, flat[int(j), ...], blk, label)
+
+    itemsize = 4 if dtype == xp.float32 else 8
+    budget = _default_budget(xp) if max_bytes is None else int(max_bytes)
+    chunk_items = max(1, min(B, budget // (ITEM_WORK_MN * m * n * itemsize))) if B else 1
+    values = xp.zeros((B, m, n), dtype=dtype, device=dev)
+    targets = xp.zeros((B, m, n), dtype=dtype, device=dev) if return_targets else None
+    full = StackChunk(0, B, W_flat, A_out_flat, A_in_flat, w_idx, out_idx, in_idx, qs,
+                      (tx, ty), method, base, variant, values, None, targets)
+    t0 = time.perf_counter()
+    if B == 0:
+        return SolveResult(values=xp.reshape(values, (*stack, m, n)), codes=None,
+                           method=method, engine=engine, seconds=0.0, tile=(tx, ty),
+                           targets=None if targets is None else
+                           xp.reshape(targets, (*stack, m, n)),
+                           info={"stack": {"shape": stack, "items": 0, "chunks": 0}})
+    engines = _engine_check(solvers, xp, full, engine, return_targets)
+
+    # ---- execution -----------------------------------------------------------------------
+    names = {e[0] for e in engines.values()}
+    mods = [e[1] for e in engines.values()]
+    one_engine = len(names) == 1
+    eng = mods[0] if one_engine else None
+    cores = _cores()
+    if workers is None:
+        workers = cores if (one_engine and eng is not None
+                            and _capability(eng, "stack_threads")) else 1
+    workers = max(1, min(int(workers), chunk_items, B))
+    threads = max(1, cores // workers) if workers > 1 else None
+    stack_fn = _capability(eng, "solve_stack") if eng is not None else None
+
+    runner = _ItemRunner(full, dict(tile=(tx, ty), method=method, engine=engine,
+                                    variant=variant, base=base, return_targets=return_targets,
+                                    max_naive_bytes=max_naive_bytes), threads)
+    paths = []
+    _xp.sync(xp)
+    with _blas_threads(threads) as blas_limit:
+        for start in range(0, B, chunk_items):
+            stop = min(B, start + chunk_items)
+            chunk = StackChunk(start, stop, W_flat, A_out_flat, A_in_flat, w_idx, out_idx,
+                               in_idx, qs, (tx, ty), method, base, variant, values,
+                               runner.codes, targets)
+            infos = stack_fn(chunk) if callable(stack_fn) else None
+            if infos is not None:
+                runner.take_engine_infos(chunk, infos)
+                paths.append("engine solve_stack")
+                continue
+            if workers > 1:
+                runner.run(start, start + 1)  # first item alone: compiles, allocates codes
+                with ThreadPoolExecutor(max_workers=workers) as pool:
+                    list(pool.map(lambda i: runner.run(i, i + 1), range(start + 1, stop)))
+                paths.append(f"items on {workers} threads")
+            else:
+                runner.run(start, stop)
+                paths.append("items one by one")
+    _xp.sync(xp)
+    seconds = time.perf_counter() - t0
+
+    codes = runner.final_codes()
+    shape = (*stack, m, n)
+    info = dict(runner.first_info)
+    info["quantizer_calls"] = runner.quantizer_calls
+    info["stack"] = {
+        "shape": stack, "items": B, "chunks": -(-B // chunk_items), "chunk_items": chunk_items,
+        "budget_bytes": budget, "path": ", ".join(sorted(set(paths))), "workers": workers,
+        "threads_per_worker": threads, "blas_threads": blas_limit, "cores": cores,
+    }
+    return SolveResult(values=xp.reshape(values, shape),
+                       codes=None if codes is None else xp.reshape(codes, shape),
+                       method=",".join(sorted(runner.methods)),
+                       engine=",".join(sorted(runner.engines)), seconds=seconds, tile=(tx, ty),
+                       targets=None if targets is None else xp.reshape(targets, shape),
+                       info=info)
+
+
+class _ItemRunner:
+    """Solves items through the single-layer :func:`bakron.solve` and copies their results
+    into the stacked outputs (each item writes only its own rows, so threads never share an
+    output element)."""
+
+    def __init__(self, chunk: StackChunk, kwargs: dict, numba_threads: int | None):
+        self.chunk = chunk
+        self.kwargs = kwargs
+        self.numba_threads = numba_threads
+        self.codes = None
+        self.codes_none = 0
+        self.quantizer_calls = 0
+        self.methods: set = set()
+        self.engines: set = set()
+        self.first_info: dict = {}
+        self.lock = threading.Lock()
+
+    @contextmanager
+    def _numba_limit(self):
+        """numba's thread count belongs to the calling thread: set it for this run and put
+        it back afterwards (the first item runs on the caller's thread)."""
+        numba = sys.modules.get("numba")
+        if self.numba_threads is None or numba is None:
+            yield
+            return
+        before = numba.get_num_threads()
+        numba.set_num_threads(min(self.numba_threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            yield
+        finally:
+            numba.set_num_threads(before)
+
+    def run(self, start: int, stop: int) -> None:
+        from . import solve
+
+        c = self.chunk
+        with self._numba_limit():
+            for i in range(start, stop):
+                W_i, A_out_i, A_in_i, q = c.item(i)
+                r = solve(W_i, A_out_i, A_in_i, q, **self.kwargs)
+                c.values[i, ...] = r.values
+                if c.targets is not None and r.targets is not None:
+                    c.targets[i, ...] = r.targets
+                codes = self._codes_for(r.codes)
+                if codes is not None:
+                    codes[i, ...] = r.codes
+                self._record(r.method, r.engine, r.info)
+
+    def _codes_for(self, item_codes):
+        """The stacked codes array (allocated by the first item that has codes)."""
+        with self.lock:
+            if item_codes is None:
+                self.codes_none += 1
+                return None
+            if self.codes is None:
+                v = self.chunk.values
+                xp = _xp.namespace(v)
+                self.codes = xp.zeros(tuple(v.shape), dtype=item_codes.dtype,
+                                      device=_xp.device(v))
+            return self.codes
+
+    def _record(self, method, engine, info) -> None:
+        with self.lock:
+            self.methods.add(method)
+            self.engines.add(engine)
+            self.quantizer_calls += int(info.get("quantizer_calls", 0))
+            if not self.first_info:
+                self.first_info = {k: v for k, v in info.items() if k != "quantizer_calls"}
+
+    def take_engine_infos(self, chunk: StackChunk, infos) -> None:
+        if chunk.codes is not None:
+            self.codes = chunk.codes
+        for info in infos:
+            self._record(info.get("method", self.kwargs["method"]),
+                         info.get("engine", "?"), info)
+
+    def final_codes(self):
+        if self.codes is not None and self.codes_none:
+            raise TypeError(f"the quantizers of the stack disagree: {self.codes_none} items "
+                            f"returned no codes while others did; a stack needs quantizers "
+                            f"that all return codes or all return None")
+        return self.codes
+
+
+def fit_quantizers(W, bits, **kwargs) -> list:
+    """One :class:`bakron.UniformQuantizer` per item of a stack ``W`` ``(..., m, n)``, fitted
+    by :meth:`bakron.UniformQuantizer.fit` (same keyword arguments), flat in C order: the
+    per-item quantizers that :func:`bakron.solve` takes for a stack."""
+    from ..quantizers import UniformQuantizer
+
+    Wn = _xp.to_numpy(W)
+    if Wn.ndim < 2:
+        raise ValueError(f"W must have shape (..., m, n), got shape {Wn.shape}")
+    flat = Wn.reshape(-1, *Wn.shape[-2:])
+    return [UniformQuantizer.fit(flat[i], bits, **kwargs) for i in range(flat.shape[0])]
