@@ -119,6 +119,30 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     -------
     LayerResult
     """
+    prep = _prepare(W, H_in, H_out, quantizer=quantizer, bits=bits, tile=tile, damp=damp,
+                    symmetric=symmetric, granularity=granularity, group_size=group_size,
+                    scale_method=scale_method)
+    res = solve(W, None if prep.f_out is None else prep.f_out.A, prep.f_in.A, prep.quantizer,
+                tile=prep.tile, method=method, engine=engine)
+    return _layer_result(prep, W, H_in, H_out, res)
+
+
+@dataclass
+class _Prepared:
+    """A layer's checked inputs: namespace, tile, quantizer, prepared factors."""
+
+    xp: Any
+    tile: tuple
+    quantizer: Any
+    f_in: Factor
+    f_out: Factor | None
+    seconds_factor: float
+
+
+def _prepare(W, H_in, H_out, *, quantizer, bits, tile, damp, symmetric, granularity,
+             group_size, scale_method, factors: dict | None = None) -> _Prepared:
+    """Check one layer's inputs, fit its quantizer when none is given, prepare its factors
+    (``factors``: a cache by Hessian object and block, for layers that share a Hessian)."""
     xp = _xp.namespace(W, H_in, H_out)
     check_matrix(xp, W, "W")
     _xp.float_dtype(xp, W, "W")
@@ -136,16 +160,27 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
         quantizer = UniformQuantizer.fit(W, bits, symmetric=symmetric, granularity=granularity,
                                          group_size=group_size, method=scale_method)
     t0 = time.perf_counter()
-    f_in = prepare_factor(H_in, ty, damp=damp, name="H_in")
-    f_out = None if H_out is None else prepare_factor(H_out, tx, damp=damp, name="H_out")
+    factors = {} if factors is None else factors
+
+    def factor(H, block, name):
+        key = (id(H), block, damp)
+        if key not in factors:
+            factors[key] = (H, prepare_factor(H, block, damp=damp, name=name))
+        return factors[key][1]
+
+    f_in = factor(H_in, ty, "H_in")
+    f_out = None if H_out is None else factor(H_out, tx, "H_out")
     _xp.sync(xp)
-    t1 = time.perf_counter()
-    res = solve(W, None if f_out is None else f_out.A, f_in.A, quantizer, tile=(tx, ty),
-                method=method, engine=engine)
+    return _Prepared(xp, (tx, ty), quantizer, f_in, f_out, time.perf_counter() - t0)
+
+
+def _layer_result(prep: _Prepared, W, H_in, H_out, res: SolveResult) -> LayerResult:
+    """Round-to-nearest and the proxy errors of a solved layer."""
+    xp, quantizer, (tx, ty) = prep.xp, prep.quantizer, prep.tile
     if hasattr(quantizer, "rtn"):
         rtn = quantizer.rtn(W)[0]
     else:  # nearest rounding tile by tile: the same rule with no feedback
-        rtn = solve(W, None, xp.zeros_like(f_in.A), quantizer, tile=(tx, ty),
+        rtn = solve(W, None, xp.zeros_like(prep.f_in.A), quantizer, tile=(tx, ty),
                     method="antidiagonal", engine="array_api").values
     W64 = xp.astype(W, xp.float64)
     Hi = (xp.astype(H_in, xp.float64) + xp.matrix_transpose(xp.astype(H_in, xp.float64))) / 2
@@ -158,7 +193,7 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     pe2 = pe1 if Ho is None else _proxy(xp, err, W64, Hi, Ho)
     pe2_rtn = pe1_rtn if Ho is None else _proxy(xp, err_rtn, W64, Hi, Ho)
     return LayerResult(values=res.values, codes=res.codes, quantizer=quantizer, solve=res,
-                       factor_in=f_in, factor_out=f_out, proxy_error=pe2,
+                       factor_in=prep.f_in, factor_out=prep.f_out, proxy_error=pe2,
                        proxy_error_one_sided=pe1, rtn_values=rtn, rtn_proxy_error=pe2_rtn,
-                       rtn_proxy_error_one_sided=pe1_rtn, seconds_factor=t1 - t0,
+                       rtn_proxy_error_one_sided=pe1_rtn, seconds_factor=prep.seconds_factor,
                        seconds_solve=res.seconds)

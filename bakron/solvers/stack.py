@@ -167,11 +167,11 @@ def _default_budget(xp) -> int:
 
 
 def _capability(eng, key: str):
-    """An engine's stack capability: ``eng.capabilities[key]`` when the engine has a
-    capability table, else the module attribute of that name (``None`` when absent)."""
-    caps = getattr(eng, "capabilities", None)
-    if isinstance(caps, dict) and key in caps:
-        return caps[key]
+    """An engine's stack capability: the field ``key`` of its capability table
+    (``CAPABILITIES``) when it has one, else its attribute ``key`` (``None`` when absent)."""
+    caps = getattr(eng, "CAPABILITIES", None)
+    if caps is not None and hasattr(caps, key):
+        return getattr(caps, key)
     return getattr(eng, key, None)
 
 
@@ -200,20 +200,27 @@ def _blas_threads(n: int | None):
 
 def _engine_check(solvers, xp, chunk: StackChunk, engine: str, return_targets: bool) -> dict:
     """Resolve the engine of every distinct quantizer on item 0's shapes, before any work, so
-    that an engine that cannot run the stack fails early. Returns ``{id(q): (name, module)}``.
+    that an engine that cannot run the stack fails early. Returns ``{id(q): (name, engine)}``
+    (``engine`` is ``None`` for the array-API path where the solver package has no engine
+    object for it).
 
     This is the one place where the stack layer uses the single-layer solve's internals
-    (``Problem`` and the engine resolution)."""
+    (``Problem`` and the engine choice, ``_pick_engine`` or the older ``_resolve_engine``)."""
     from ._problem import Problem
 
     W0, A_out0, A_in0, _ = chunk.item(0)
+    want = "array_api" if return_targets and engine == "auto" else engine
+    pick = getattr(solvers, "_pick_engine", None)
     out = {}
     for q in chunk.quantizers:
         if id(q) in out:
             continue
         p = Problem(xp, W0, A_out0, A_in0, q, chunk.tile, record_targets=return_targets)
-        name, eng = ("array_api", None) if return_targets and engine == "auto" else \
-            solvers._resolve_engine(engine, p)
+        if pick is not None:
+            eng = pick(want, p, chunk.method, chunk.variant)
+            name = eng.NAME
+        else:
+            name, eng = solvers._resolve_engine(want, p)
         if chunk.method == "wavefront" and name != "cuda":
             raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
                              "engine only (cupy arrays); use 'recursive', 'antidiagonal' or "
