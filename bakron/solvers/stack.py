@@ -166,6 +166,20 @@ def _default_budget(xp) -> int:
         return 1 << 32
 
 
+def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str) -> None:
+    """Every factor of the stack ``A`` (k, s, s) is ``L - I`` (each distinct factor once: one
+    pass over the stack with one mask); the single-layer check names the first bad one."""
+    s = A.shape[-1]
+    i = xp.arange(s, device=_xp.device(A))
+    blk = i // block
+    forbidden = (i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None])
+    bad = xp.max(xp.abs(xp.where(forbidden[None, ...], A, xp.zeros_like(A))), axis=(1, 2))
+    if float(xp.max(bad)) != 0.0:
+        j = int(_xp.to_numpy(xp.argmax(xp.astype(bad != 0, xp.int8))))
+        label = name if A.shape[0] == 1 else f"{name}[{j}] (flattened stack)"
+        solvers._check_strictly_lower(xp, A[j, ...], block, label)
+
+
 def _capability(eng, key: str):
     """An engine's stack capability: the field ``key`` of its capability table
     (``CAPABILITIES``) when it has one, else its attribute ``key`` (``None`` when absent)."""
@@ -211,9 +225,12 @@ def _engine_check(solvers, xp, chunk: StackChunk, engine: str, return_targets: b
     W0, A_out0, A_in0, _ = chunk.item(0)
     want = "array_api" if return_targets and engine == "auto" else engine
     pick = getattr(solvers, "_pick_engine", None)
-    out = {}
+    out, by_type = {}, {}
     for q in chunk.quantizers:
         if id(q) in out:
+            continue
+        if type(q) in by_type:  # engines choose by the quantizer's type, not its scales
+            out[id(q)] = by_type[type(q)]
             continue
         p = Problem(xp, W0, A_out0, A_in0, q, chunk.tile, record_targets=return_targets)
         if pick is not None:
@@ -225,7 +242,7 @@ def _engine_check(solvers, xp, chunk: StackChunk, engine: str, return_targets: b
             raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
                              "engine only (cupy arrays); use 'recursive', 'antidiagonal' or "
                              "'auto'")
-        out[id(q)] = (name, eng)
+        out[id(q)] = by_type[type(q)] = (name, eng)
     return out
 
 
@@ -327,13 +344,9 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
         A_out_flat, out_idx = None, None
     else:
         A_out_flat, out_idx = _flat(xp, xp.astype(A_out, dtype, copy=False), stack)
-    for name, flat, idx, blk in (("A_in", A_in_flat, in_idx, ty),
-                                 ("A_out", A_out_flat, out_idx, tx)):
-        if flat is None:
-            continue
-        for j in np.unique(idx):  # each distinct factor once, however many items share it
-            label = name if flat.shape[0] == 1 else f"{name}[{int(j)}] (flattened stack)"
-            solvers._check_strictly_lower(xp, flat[int(j), ...], blk, label)
+    for name, flat, blk in (("A_in", A_in_flat, ty), ("A_out", A_out_flat, tx)):
+        if flat is not None:
+            _check_strictly_lower_stack(solvers, xp, flat, blk, name)
 
     itemsize = 4 if dtype == xp.float32 else 8
     budget = _default_budget(xp) if max_bytes is None else int(max_bytes)
