@@ -375,3 +375,24 @@ def test_extra_memory_within_four_b_m_n():
         tracemalloc.stop()
         assert res.info["stack"]["workers"] == workers
         assert peak <= 4 * B * m * n * 8, (workers, peak / (B * m * n * 8))
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not available")
+def test_items_are_checked_once_by_the_stack(monkeypatch):
+    """The stack checks every factor itself (before any work) and hands the items to the
+    engine without the single solve's per-item checks."""
+    import bakron.solvers as solvers
+
+    W, A_out, A_in = _simple(B=6, m=16, n=16)
+    A_in[2, 0, 9] = 0.5            # item 2 breaks the structure: the stack's own check finds it
+    calls = []
+    real = solvers._check_strictly_lower
+    monkeypatch.setattr(solvers, "_check_strictly_lower",
+                        lambda *a: calls.append(a[-1]) or real(*a))
+    with pytest.raises(ValueError, match=r"A_in\[2\] \(flattened stack\)"):
+        bakron.solve(W, A_out, A_in, bakron.UniformQuantizer(3, 0.5), tile=4, engine="numba")
+    assert calls == ["A_in[2] (flattened stack)"]
+    A_in[2, 0, 9] = 0.0
+    calls.clear()
+    res = bakron.solve(W, A_out, A_in, bakron.UniformQuantizer(3, 0.5), tile=4, engine="numba")
+    assert calls == [] and res.engine == "numba"

@@ -167,17 +167,22 @@ def _default_budget(xp) -> int:
 
 
 def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str) -> None:
-    """Every factor of the stack ``A`` (k, s, s) is ``L - I`` (each distinct factor once: one
-    pass over the stack with one mask); the single-layer check names the first bad one."""
-    s = A.shape[-1]
+    """Every factor of the stack ``A`` (k, s, s) is ``L - I``: one mask for all of them,
+    factors taken a few at a time (temporaries of at most ``2**22`` elements, or one factor);
+    the single-layer check words the error for the first bad one."""
+    k, s = A.shape[0], A.shape[-1]
     i = xp.arange(s, device=_xp.device(A))
     blk = i // block
-    forbidden = (i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None])
-    bad = xp.max(xp.abs(xp.where(forbidden[None, ...], A, xp.zeros_like(A))), axis=(1, 2))
-    if float(xp.max(bad)) != 0.0:
-        j = int(_xp.to_numpy(xp.argmax(xp.astype(bad != 0, xp.int8))))
-        label = name if A.shape[0] == 1 else f"{name}[{j}] (flattened stack)"
-        solvers._check_strictly_lower(xp, A[j, ...], block, label)
+    forbidden = ((i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None]))[None, ...]
+    zero = xp.zeros((1, 1, 1), dtype=A.dtype, device=_xp.device(A))
+    step = max(1, (1 << 22) // (s * s))
+    for j0 in range(0, k, step):
+        part = A[j0:min(k, j0 + step), ...]
+        bad = xp.max(xp.abs(xp.where(forbidden, part, zero)), axis=(1, 2))
+        if float(xp.max(bad)) != 0.0:
+            j = j0 + int(_xp.to_numpy(xp.argmax(xp.astype(bad != 0, xp.int8))))
+            label = name if k == 1 else f"{name}[{j}] (flattened stack)"
+            solvers._check_strictly_lower(xp, A[j, ...], block, label)
 
 
 def _capability(eng, key: str):
@@ -379,7 +384,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
 
     runner = _ItemRunner(full, dict(tile=(tx, ty), method=method, engine=engine,
                                     variant=variant, base=base, return_targets=return_targets,
-                                    max_naive_bytes=max_naive_bytes), threads)
+                                    max_naive_bytes=max_naive_bytes), threads, engines)
     paths = []
     _xp.sync(xp)
     with _blas_threads(threads) as blas_limit:
@@ -421,13 +426,54 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
                        info=info)
 
 
+def _solve_item(W, A_out, A_in, quantizer, engine: tuple, kw: dict):
+    """One item of a validated stack, with the engine chosen by ``_engine_check``.
+
+    The stack has checked every item already, so the item goes straight to its engine
+    instead of through :func:`bakron.solve`, whose checks (structure of both factors,
+    finiteness) cost about a quarter of a 256² solve. What runs is what ``solve`` runs after
+    its checks: the engine's measured ``auto_base``/``auto_method`` rules, then the engine's
+    ``run`` (engines with a capability table) or ``solve`` (older engine modules). Anything
+    else (the array-API path, a method an engine declines) goes through ``solve`` itself."""
+    from . import SolveResult, solve
+    from ._problem import Problem
+
+    name, eng = engine
+    runs = callable(getattr(eng, "run", None)) and hasattr(eng, "CAPABILITIES")
+    if eng is None or name == "array_api" or not (runs or callable(getattr(eng, "solve", None))):
+        return solve(W, A_out, A_in, quantizer, **kw)
+    xp = _xp.namespace(W)
+    p = Problem(xp, W, A_out, A_in, quantizer, kw["tile"], record_targets=kw["return_targets"])
+    base = int(eng.auto_base(p)) if kw["base"] is None else int(kw["base"])
+    method = eng.auto_method(p, base) if kw["method"] == "auto" else kw["method"]
+    variant = kw["variant"]
+    info = {"base": base, "variant": variant if method == "antidiagonal" else None}
+    _xp.sync(xp)
+    t0 = time.perf_counter()
+    if runs:
+        out = eng.run(p, method, base, variant)
+        values, codes, targets = out.values, out.codes, out.targets
+        info.update(out.info)
+    elif eng.solve(p, method, base, variant):
+        values, codes, targets = p.Wq, p.codes, p.T
+        info["quantizer_calls"] = p.quantizer_calls
+    else:  # a method the engine leaves to the generic drivers
+        return solve(W, A_out, A_in, quantizer, **kw)
+    _xp.sync(xp)
+    return SolveResult(values=values, codes=codes, method=method, engine=name,
+                       seconds=time.perf_counter() - t0, tile=kw["tile"], targets=targets,
+                       info=info)
+
+
 class _ItemRunner:
     """Solves items through the single-layer :func:`bakron.solve` and copies their results
     into the stacked outputs (each item writes only its own rows, so threads never share an
     output element)."""
 
-    def __init__(self, chunk: StackChunk, kwargs: dict, numba_threads: int | None):
+    def __init__(self, chunk: StackChunk, kwargs: dict, numba_threads: int | None,
+                 engines: dict):
         self.chunk = chunk
+        self.chosen = engines  # id(quantizer) -> (name, engine), from _engine_check
         self.kwargs = kwargs
         self.numba_threads = numba_threads
         self.codes = None
@@ -454,13 +500,11 @@ class _ItemRunner:
             numba.set_num_threads(before)
 
     def run(self, start: int, stop: int) -> None:
-        from . import solve
-
         c = self.chunk
         with self._numba_limit():
             for i in range(start, stop):
                 W_i, A_out_i, A_in_i, q = c.item(i)
-                r = solve(W_i, A_out_i, A_in_i, q, **self.kwargs)
+                r = _solve_item(W_i, A_out_i, A_in_i, q, self.chosen[id(q)], self.kwargs)
                 c.values[i, ...] = r.values
                 if c.targets is not None and r.targets is not None:
                     c.targets[i, ...] = r.targets
