@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     command = "python -m bakron.bench_stack " + " ".join(shlex.quote(a) for a in (
         sys.argv[1:] if argv is None else argv))
-    shape = f"{args.B} × {args.m}×{args.n}, {args.dtype}, tile {args.tile}, {args.bits}-bit"
+    size = f"{args.B} × {args.m}×{args.n}"
+    shape = f"{size}, {args.dtype}, tile {args.tile}, {args.bits}-bit"
 
     if args.point is not None:  # a child of --threads
         print(json.dumps(_threads_point(args)))
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
                  "`NUMBA_NUM_THREADS` = t); medians of interleaved rounds. *identical*: the "
                  "stack's values equal the one-by-one solves bitwise."]
         _write(os.path.join(args.out, (args.name or "stack-threads") + ".md"),
-               "Stacks of layers on CPU threads", intro, body)
+               f"Stacks of layers on CPU threads: {size}{label}", intro, body)
         return 0
 
     if args.gpu:
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
                  f"Stack path: {p['stack']['path']}; identical to one by one: "
                  f"{p['identical']}; medians of {max(p['runs'].values())} interleaved rounds."]
         _write(os.path.join(args.out, (args.name or "stack-h200") + ".md"),
-               "Stacks of layers on the GPU", intro, _table(p))
+               f"Stacks of layers on the GPU: {size}", intro, _table(p))
         print("\n".join(_table(p)))
         return 0
 
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
              f"Stack path: {p['stack']['path']}; identical to one by one: {p['identical']}; "
              f"medians of {max(p['runs'].values())} interleaved rounds."]
     _write(os.path.join(args.out, (args.name or "stack-cpu") + ".md"),
-           "Stacks of layers on the CPU", intro, _table(p))
+           f"Stacks of layers on the CPU: {size}", intro, _table(p))
     print("\n".join(_table(p)))
     return 0
 

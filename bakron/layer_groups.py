@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import _xp
-from .layer import LayerResult, _layer_result, _prepare
+from .layer import _layer_result, _prepare
 from .solvers.stack import solve_stack
 
 __all__ = ["quantize_layers", "group_layers"]
@@ -52,8 +52,8 @@ def quantize_layers(layers, *, quantizer=None, bits: int | None = None, tile=(16
                     method: str = "auto", engine: str = "auto", damp: float = 0.01,
                     symmetric: bool = True, granularity: str = "row",
                     group_size: int | None = None, scale_method: str = "rms",
-                    workers: int | None = None, max_bytes: int | None = None
-                    ) -> list[LayerResult]:
+                    workers: int | None = None, max_bytes: int | None = None,
+                    errors: str = "raise") -> list:
     """Quantize many layers: :func:`bakron.quantize_layer` for each, with same-shape layers
     solved as one stack (:func:`bakron.solve_stack`).
 
@@ -69,6 +69,11 @@ def quantize_layers(layers, *, quantizer=None, bits: int | None = None, tile=(16
         As in :func:`bakron.quantize_layer`, for every layer.
     workers, max_bytes
         As in :func:`bakron.solve_stack`, for every stack.
+    errors : {"raise", "return"}
+        ``"raise"``: the first bad layer raises (its index in the message) before any solve.
+        ``"return"``: a layer that fails gets its exception in its place of the result list
+        and the others go on (a stack that fails is retried layer by layer, so that only
+        the bad layers fail) — what a runner that reports failed layers wants.
 
     Returns
     -------
@@ -78,6 +83,8 @@ def quantize_layers(layers, *, quantizer=None, bits: int | None = None, tile=(16
         ``index`` there), and ``seconds_solve`` is the stack's time divided by its size.
     """
     layers = list(layers)
+    if errors not in ("raise", "return"):
+        raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
     if isinstance(quantizer, (list, tuple)):
         if len(quantizer) != len(layers):
             raise ValueError(f"quantizer is a sequence of {len(quantizer)} quantizers but "
@@ -86,34 +93,74 @@ def quantize_layers(layers, *, quantizer=None, bits: int | None = None, tile=(16
         qs = list(quantizer)
     else:
         qs = [quantizer] * len(layers)
-    factors: dict = {}
-    unpacked, preps = [], []
-    for k, layer in enumerate(layers):  # every layer checked before any solve
-        W, H_in, H_out = _unpack(k, layer)
-        try:
-            prep = _prepare(W, H_in, H_out, quantizer=qs[k], bits=bits, tile=tile, damp=damp,
-                            symmetric=symmetric, granularity=granularity,
-                            group_size=group_size, scale_method=scale_method, factors=factors)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"layers[{k}]: {e}") from e
-        unpacked.append((W, H_in, H_out))
-        preps.append(prep)
-
     results: list = [None] * len(layers)
-    for idx in group_layers([_group_key(p, u[0]) for p, u in zip(preps, unpacked)]):
-        xp = preps[idx[0]].xp
-        Ws = xp.stack([unpacked[i][0] for i in idx])
-        A_in = _stack_factors(xp, [preps[i].f_in for i in idx])
-        A_out = None if preps[idx[0]].f_out is None else \
-            _stack_factors(xp, [preps[i].f_out for i in idx])
-        res = solve_stack(Ws, A_out, A_in, [preps[i].quantizer for i in idx],
-                          tile=preps[idx[0]].tile, method=method, engine=engine,
-                          workers=workers, max_bytes=max_bytes)
-        for j, i in enumerate(idx):
-            info = dict(res.info, stack=dict(res.info["stack"], index=j))
-            one = dataclasses.replace(res, values=res.values[j, ...],
-                                      codes=None if res.codes is None else res.codes[j, ...],
-                                      seconds=res.seconds / len(idx), targets=None, info=info)
-            W, H_in, H_out = unpacked[i]
-            results[i] = _layer_result(preps[i], W, H_in, H_out, one)
+    factors: dict = {}
+    unpacked, preps = {}, {}
+    for k, layer in enumerate(layers):  # every layer checked before any solve
+        try:
+            W, H_in, H_out = _unpack(k, layer)
+            preps[k] = _prepare(W, H_in, H_out, quantizer=qs[k], bits=bits, tile=tile,
+                                damp=damp, symmetric=symmetric, granularity=granularity,
+                                group_size=group_size, scale_method=scale_method,
+                                factors=factors)
+            unpacked[k] = (W, H_in, H_out)
+        except (ValueError, TypeError, ArithmeticError) as e:
+            if errors == "raise":
+                raise _named(k, e) from e
+            results[k] = _named(k, e)
+
+    ok = sorted(preps)
+    for group in group_layers([_group_key(preps[k], unpacked[k][0]) for k in ok]):
+        idx = [ok[g] for g in group]
+        try:
+            _solve_group(idx, unpacked, preps, results, method, engine, workers, max_bytes)
+        except Exception:
+            if errors == "raise" or len(idx) == 1:
+                if errors == "raise":
+                    raise
+                results[idx[0]] = _retry_alone(idx[0], unpacked, preps, method, engine)
+                continue
+            for i in idx:  # find the bad layers: each alone
+                results[i] = _retry_alone(i, unpacked, preps, method, engine)
     return results
+
+
+def _solve_group(idx, unpacked, preps, results, method, engine, workers, max_bytes):
+    """Solve layers ``idx`` (same key) as one stack and fill their results."""
+    xp = preps[idx[0]].xp
+    Ws = xp.stack([unpacked[i][0] for i in idx])
+    A_in = _stack_factors(xp, [preps[i].f_in for i in idx])
+    A_out = None if preps[idx[0]].f_out is None else \
+        _stack_factors(xp, [preps[i].f_out for i in idx])
+    res = solve_stack(Ws, A_out, A_in, [preps[i].quantizer for i in idx],
+                      tile=preps[idx[0]].tile, method=method, engine=engine,
+                      workers=workers, max_bytes=max_bytes)
+    out = []
+    for j, i in enumerate(idx):
+        info = dict(res.info, stack=dict(res.info["stack"], index=j))
+        one = dataclasses.replace(res, values=res.values[j, ...],
+                                  codes=None if res.codes is None else res.codes[j, ...],
+                                  seconds=res.seconds / len(idx), targets=None, info=info)
+        W, H_in, H_out = unpacked[i]
+        out.append(_layer_result(preps[i], W, H_in, H_out, one))
+    for i, r in zip(idx, out):  # only once every layer of the group is done
+        results[i] = r
+
+
+def _retry_alone(i, unpacked, preps, method, engine):
+    """Layer ``i`` as a stack of one; its exception (naming the layer) when it fails."""
+    try:
+        holder: dict = {}
+        _solve_group([i], unpacked, preps, holder, method, engine, None, None)
+        return holder[i]
+    except Exception as e:  # noqa: BLE001 - reported in the layer's place
+        return _named(i, e)
+
+
+def _named(k: int, e: Exception) -> Exception:
+    """``e`` with the layer's index in front of its message (``e`` itself when its class
+    cannot be built from a message)."""
+    try:
+        return type(e)(f"layers[{k}]: {e}")
+    except Exception:  # noqa: BLE001
+        return e

@@ -68,3 +68,38 @@ def test_per_layer_quantizers_and_errors():
     with pytest.raises(ValueError, match=r"layers\[0\] must be a tuple \(W, H_in\) or "
                                          r"\(W, H_in, H_out\), got 1 entries"):
         bakron.quantize_layers([(layers[0][0],)], bits=2)
+
+
+def test_errors_return_isolates_the_bad_layers():
+    layers = _layers()[:4]
+    H_bad = -np.eye(16)                              # not a Hessian: its preparation fails
+    nan_W = layers[2][0].copy()
+    nan_W[0, 0] = np.nan                             # rejected by the layer's checks
+    bad = [layers[0], (layers[1][0], layers[1][1]), (nan_W, layers[2][1], layers[2][2]),
+           (layers[3][0], H_bad, layers[3][2])]
+    with pytest.raises(ValueError, match=r"layers\[2\]: W contains 1 NaN"):
+        bakron.quantize_layers(bad, bits=2, tile=4)
+    got = bakron.quantize_layers(bad, bits=2, tile=4, errors="return")
+    assert isinstance(got[2], ValueError) and "layers[2]: W contains 1 NaN" in str(got[2])
+    assert isinstance(got[3], ValueError) and "layers[3]: H_in has negative diagonal" in str(got[3])
+    for k in (0, 1):
+        np.testing.assert_array_equal(got[k].values,
+                                      bakron.quantize_layer(*bad[k], bits=2, tile=4).values)
+
+
+def test_a_failing_stack_is_retried_layer_by_layer():
+    class FailsOnBigValues:
+        """A tile quantizer that refuses targets beyond 4 (as a custom grid may)."""
+
+        def quantize(self, targets):
+            if float(np.max(np.abs(targets))) > 4:
+                raise ValueError("target out of range")
+            return np.round(targets), None
+
+    layers = _layers()[:3]
+    big = (layers[2][0] * 100, layers[2][1], layers[2][2])
+    got = bakron.quantize_layers([layers[0], big], quantizer=FailsOnBigValues(), tile=4,
+                                 errors="return")
+    assert isinstance(got[1], ValueError) and "layers[1]: target out of range" in str(got[1])
+    one = bakron.quantize_layer(*layers[0], quantizer=FailsOnBigValues(), tile=4)
+    np.testing.assert_array_equal(got[0].values, one.values)
