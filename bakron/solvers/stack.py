@@ -10,13 +10,14 @@ solve it alone: the result is bitwise identical to the one-by-one loop.
 How a stack runs (``SolveResult.info["stack"]`` says which path ran):
 
 1. Everything is validated before any work (shapes, lengths, dtypes, devices, tiles, every
-   distinct factor's structure, the engine).
+   factor's structure, the engine), once for the stack.
 2. The stack is cut into *chunks* whose working memory fits ``max_bytes`` (``4 m n`` elements
    per item at most, besides the inputs and the stacked outputs).
 3. A chunk goes to the engine in one call when the engine has ``solve_stack`` (the hook for a
-   one-launch GPU version); otherwise its items go through the single-layer solve, on
-   ``workers`` threads when the engine says its kernels release the GIL (``stack_threads``),
-   with BLAS and numba threads split so that workers × threads ≤ cores.
+   one-launch GPU version); otherwise its items go to their engine one by one (what the
+   single-layer solve runs after its checks), on ``workers`` threads when the engine says
+   its kernels release the GIL (``stack_threads``), with BLAS and numba threads split so
+   that workers × threads ≤ cores.
 
 See docs/stacks.md for the engine contract and the measurements.
 """
@@ -356,10 +357,13 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     itemsize = 4 if dtype == xp.float32 else 8
     budget = _default_budget(xp) if max_bytes is None else int(max_bytes)
     chunk_items = max(1, min(B, budget // (ITEM_WORK_MN * m * n * itemsize))) if B else 1
-    values = xp.zeros((B, m, n), dtype=dtype, device=dev)
-    targets = xp.zeros((B, m, n), dtype=dtype, device=dev) if return_targets else None
     full = StackChunk(0, B, W_flat, A_out_flat, A_in_flat, w_idx, out_idx, in_idx, qs,
-                      (tx, ty), method, base, variant, values, None, targets)
+                      (tx, ty), method, base, variant, None, None, None)
+    engines = _engine_check(solvers, xp, full, engine, return_targets) if B else {}
+    # ---- outputs: allocated once every check has passed ----------------------------------
+    values = full.values = xp.zeros((B, m, n), dtype=dtype, device=dev)
+    targets = full.targets = xp.zeros((B, m, n), dtype=dtype, device=dev) \
+        if return_targets else None
     t0 = time.perf_counter()
     if B == 0:
         return SolveResult(values=xp.reshape(values, (*stack, m, n)), codes=None,
@@ -367,7 +371,6 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
                            targets=None if targets is None else
                            xp.reshape(targets, (*stack, m, n)),
                            info={"stack": {"shape": stack, "items": 0, "chunks": 0}})
-    engines = _engine_check(solvers, xp, full, engine, return_targets)
 
     # ---- execution -----------------------------------------------------------------------
     names = {e[0] for e in engines.values()}
@@ -466,9 +469,8 @@ def _solve_item(W, A_out, A_in, quantizer, engine: tuple, kw: dict):
 
 
 class _ItemRunner:
-    """Solves items through the single-layer :func:`bakron.solve` and copies their results
-    into the stacked outputs (each item writes only its own rows, so threads never share an
-    output element)."""
+    """Solves items (``_solve_item``) and copies their results into the stacked outputs
+    (each item writes only its own rows, so threads never share an output element)."""
 
     def __init__(self, chunk: StackChunk, kwargs: dict, numba_threads: int | None,
                  engines: dict):
