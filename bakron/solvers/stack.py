@@ -167,16 +167,31 @@ def _default_budget(xp) -> int:
         return 1 << 32
 
 
+#: Elements per pass of the stack-wide checks: the temporaries of a pass stay in cache
+#: (one pass over a 16 MB stack at a time cost as much as the per-item checks it replaces).
+_PASS_ELEMENTS = 1 << 18
+
+
+def _check_finite_stack(xp, flat, name: str) -> None:
+    """No NaN or Inf in ``flat`` (k, r, c), checked a few matrices at a time; the single
+    check counts the bad entries for the message."""
+    k, r, c = flat.shape
+    step = max(1, _PASS_ELEMENTS // max(1, r * c))
+    for j0 in range(0, k, step):
+        if not bool(xp.all(xp.isfinite(flat[j0:min(k, j0 + step), ...]))):
+            check_finite(xp, flat, name)
+
+
 def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str) -> None:
     """Every factor of the stack ``A`` (k, s, s) is ``L - I``: one mask for all of them,
-    factors taken a few at a time (temporaries of at most ``2**22`` elements, or one factor);
-    the single-layer check words the error for the first bad one."""
+    factors taken a few at a time (``_PASS_ELEMENTS``, or one factor); the single-layer
+    check words the error for the first bad one."""
     k, s = A.shape[0], A.shape[-1]
     i = xp.arange(s, device=_xp.device(A))
     blk = i // block
     forbidden = ((i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None]))[None, ...]
     zero = xp.zeros((1, 1, 1), dtype=A.dtype, device=_xp.device(A))
-    step = max(1, (1 << 22) // (s * s))
+    step = max(1, _PASS_ELEMENTS // (s * s))
     for j0 in range(0, k, step):
         part = A[j0:min(k, j0 + step), ...]
         bad = xp.max(xp.abs(xp.where(forbidden, part, zero)), axis=(1, 2))
@@ -338,12 +353,8 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
                 q.check_shape(m, n)
             except ValueError as e:
                 raise ValueError(f"quantizer for item {i}: {e}") from None
-    check_finite(xp, W, "W")
-    check_finite(xp, A_in, "A_in")
-    if A_out is not None:
-        check_finite(xp, A_out, "A_out")
-
     W_flat, w_idx = _flat(xp, W, stack)
+    _check_finite_stack(xp, W_flat, "W")
     # a factor in another dtype is cast once for the stack, as the single solve casts it
     A_in_flat, in_idx = _flat(xp, xp.astype(A_in, dtype, copy=False), stack)
     if A_out is None:
@@ -352,6 +363,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
         A_out_flat, out_idx = _flat(xp, xp.astype(A_out, dtype, copy=False), stack)
     for name, flat, blk in (("A_in", A_in_flat, ty), ("A_out", A_out_flat, tx)):
         if flat is not None:
+            _check_finite_stack(xp, flat, name)
             _check_strictly_lower_stack(solvers, xp, flat, blk, name)
 
     itemsize = 4 if dtype == xp.float32 else 8
