@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import threading
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +35,7 @@ import numpy as np
 
 from .. import _xp
 from .._validate import check_factor_shape, check_finite, check_tile
+from ._stack_items import ItemRunner, blas_threads, capability, cores, engine_check
 
 __all__ = ["solve_stack", "StackChunk", "stack_shape"]
 
@@ -201,72 +199,6 @@ def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str) -> None:
             solvers._check_strictly_lower(xp, A[j, ...], block, label)
 
 
-def _capability(eng, key: str):
-    """An engine's stack capability: the field ``key`` of its capability table
-    (``CAPABILITIES``) when it has one, else its attribute ``key`` (``None`` when absent)."""
-    caps = getattr(eng, "CAPABILITIES", None)
-    if caps is not None and hasattr(caps, key):
-        return getattr(caps, key)
-    return getattr(eng, key, None)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
-
-
-@contextmanager
-def _blas_threads(n: int | None):
-    """Limit BLAS to ``n`` threads inside the block (threadpoolctl; a process-wide setting).
-    Yields the limit applied, or ``None`` when nothing was changed."""
-    if n is None:
-        yield None
-        return
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield None
-        return
-    with threadpool_limits(limits=n, user_api="blas"):
-        yield n
-
-
-def _engine_check(solvers, xp, chunk: StackChunk, engine: str, return_targets: bool) -> dict:
-    """Resolve the engine of every distinct quantizer on item 0's shapes, before any work, so
-    that an engine that cannot run the stack fails early. Returns ``{id(q): (name, engine)}``
-    (``engine`` is ``None`` for the array-API path where the solver package has no engine
-    object for it).
-
-    This is the one place where the stack layer uses the single-layer solve's internals
-    (``Problem`` and the engine choice, ``_pick_engine`` or the older ``_resolve_engine``)."""
-    from ._problem import Problem
-
-    W0, A_out0, A_in0, _ = chunk.item(0)
-    want = "array_api" if return_targets and engine == "auto" else engine
-    pick = getattr(solvers, "_pick_engine", None)
-    out, by_type = {}, {}
-    for q in chunk.quantizers:
-        if id(q) in out:
-            continue
-        if type(q) in by_type:  # engines choose by the quantizer's type, not its scales
-            out[id(q)] = by_type[type(q)]
-            continue
-        p = Problem(xp, W0, A_out0, A_in0, q, chunk.tile, record_targets=return_targets)
-        if pick is not None:
-            eng = pick(want, p, chunk.method, chunk.variant)
-            name = eng.NAME
-        else:
-            name, eng = solvers._resolve_engine(want, p)
-        if chunk.method == "wavefront" and name != "cuda":
-            raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
-                             "engine only (cupy arrays); use 'recursive', 'antidiagonal' or "
-                             "'auto'")
-        out[id(q)] = by_type[type(q)] = (name, eng)
-    return out
-
-
 def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
                 engine: str = "auto", variant: str = "accumulator", base: int | None = None,
                 return_targets: bool = False, max_naive_bytes: int | None = None,
@@ -371,7 +303,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     chunk_items = max(1, min(B, budget // (ITEM_WORK_MN * m * n * itemsize))) if B else 1
     full = StackChunk(0, B, W_flat, A_out_flat, A_in_flat, w_idx, out_idx, in_idx, qs,
                       (tx, ty), method, base, variant, None, None, None)
-    engines = _engine_check(solvers, xp, full, engine, return_targets) if B else {}
+    engines = engine_check(solvers, xp, full, engine, return_targets) if B else {}
     # ---- outputs: allocated once every check has passed ----------------------------------
     values = full.values = xp.zeros((B, m, n), dtype=dtype, device=dev)
     targets = full.targets = xp.zeros((B, m, n), dtype=dtype, device=dev) \
@@ -389,20 +321,20 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     mods = [e[1] for e in engines.values()]
     one_engine = len(names) == 1
     eng = mods[0] if one_engine else None
-    cores = _cores()
+    n_cores = cores()
     if workers is None:
-        workers = cores if (one_engine and eng is not None
-                            and _capability(eng, "stack_threads")) else 1
+        workers = n_cores if (one_engine and eng is not None
+                            and capability(eng, "stack_threads")) else 1
     workers = max(1, min(int(workers), chunk_items, B))
-    threads = max(1, cores // workers) if workers > 1 else None
-    stack_fn = _capability(eng, "solve_stack") if eng is not None else None
+    threads = max(1, n_cores // workers) if workers > 1 else None
+    stack_fn = capability(eng, "solve_stack") if eng is not None else None
 
-    runner = _ItemRunner(full, dict(tile=(tx, ty), method=method, engine=engine,
+    runner = ItemRunner(full, dict(tile=(tx, ty), method=method, engine=engine,
                                     variant=variant, base=base, return_targets=return_targets,
                                     max_naive_bytes=max_naive_bytes), threads, engines)
     paths = []
     _xp.sync(xp)
-    with _blas_threads(threads) as blas_limit:
+    with blas_threads(threads) as blas_limit:
         for start in range(0, B, chunk_items):
             stop = min(B, start + chunk_items)
             chunk = StackChunk(start, stop, W_flat, A_out_flat, A_in_flat, w_idx, out_idx,
@@ -431,7 +363,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     info["stack"] = {
         "shape": stack, "items": B, "chunks": -(-B // chunk_items), "chunk_items": chunk_items,
         "budget_bytes": budget, "path": ", ".join(sorted(set(paths))), "workers": workers,
-        "threads_per_worker": threads, "blas_threads": blas_limit, "cores": cores,
+        "threads_per_worker": threads, "blas_threads": blas_limit, "cores": n_cores,
     }
     return SolveResult(values=xp.reshape(values, shape),
                        codes=None if codes is None else xp.reshape(codes, shape),
@@ -439,128 +371,6 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
                        engine=",".join(sorted(runner.engines)), seconds=seconds, tile=(tx, ty),
                        targets=None if targets is None else xp.reshape(targets, shape),
                        info=info)
-
-
-def _solve_item(W, A_out, A_in, quantizer, engine: tuple, kw: dict):
-    """One item of a validated stack, with the engine chosen by ``_engine_check``.
-
-    The stack has checked every item already, so the item goes straight to its engine
-    instead of through :func:`bakron.solve`, whose checks (structure of both factors,
-    finiteness) cost about a quarter of a 256² solve. What runs is what ``solve`` runs after
-    its checks: the engine's measured ``auto_base``/``auto_method`` rules, then the engine's
-    ``run`` (engines with a capability table) or ``solve`` (older engine modules). Anything
-    else (the array-API path, a method an engine declines) goes through ``solve`` itself."""
-    from . import SolveResult, solve
-    from ._problem import Problem
-
-    name, eng = engine
-    runs = callable(getattr(eng, "run", None)) and hasattr(eng, "CAPABILITIES")
-    if eng is None or name == "array_api" or not (runs or callable(getattr(eng, "solve", None))):
-        return solve(W, A_out, A_in, quantizer, **kw)
-    xp = _xp.namespace(W)
-    p = Problem(xp, W, A_out, A_in, quantizer, kw["tile"], record_targets=kw["return_targets"])
-    base = int(eng.auto_base(p)) if kw["base"] is None else int(kw["base"])
-    method = eng.auto_method(p, base) if kw["method"] == "auto" else kw["method"]
-    variant = kw["variant"]
-    info = {"base": base, "variant": variant if method == "antidiagonal" else None}
-    _xp.sync(xp)
-    t0 = time.perf_counter()
-    if runs:
-        out = eng.run(p, method, base, variant)
-        values, codes, targets = out.values, out.codes, out.targets
-        info.update(out.info)
-    elif eng.solve(p, method, base, variant):
-        values, codes, targets = p.Wq, p.codes, p.T
-        info["quantizer_calls"] = p.quantizer_calls
-    else:  # a method the engine leaves to the generic drivers
-        return solve(W, A_out, A_in, quantizer, **kw)
-    _xp.sync(xp)
-    return SolveResult(values=values, codes=codes, method=method, engine=name,
-                       seconds=time.perf_counter() - t0, tile=kw["tile"], targets=targets,
-                       info=info)
-
-
-class _ItemRunner:
-    """Solves items (``_solve_item``) and copies their results into the stacked outputs
-    (each item writes only its own rows, so threads never share an output element)."""
-
-    def __init__(self, chunk: StackChunk, kwargs: dict, numba_threads: int | None,
-                 engines: dict):
-        self.chunk = chunk
-        self.chosen = engines  # id(quantizer) -> (name, engine), from _engine_check
-        self.kwargs = kwargs
-        self.numba_threads = numba_threads
-        self.codes = None
-        self.codes_none = 0
-        self.quantizer_calls = 0
-        self.methods: set = set()
-        self.engines: set = set()
-        self.first_info: dict = {}
-        self.lock = threading.Lock()
-
-    @contextmanager
-    def _numba_limit(self):
-        """numba's thread count belongs to the calling thread: set it for this run and put
-        it back afterwards (the first item runs on the caller's thread)."""
-        numba = sys.modules.get("numba")
-        if self.numba_threads is None or numba is None:
-            yield
-            return
-        before = numba.get_num_threads()
-        numba.set_num_threads(min(self.numba_threads, numba.config.NUMBA_NUM_THREADS))
-        try:
-            yield
-        finally:
-            numba.set_num_threads(before)
-
-    def run(self, start: int, stop: int) -> None:
-        c = self.chunk
-        with self._numba_limit():
-            for i in range(start, stop):
-                W_i, A_out_i, A_in_i, q = c.item(i)
-                r = _solve_item(W_i, A_out_i, A_in_i, q, self.chosen[id(q)], self.kwargs)
-                c.values[i, ...] = r.values
-                if c.targets is not None and r.targets is not None:
-                    c.targets[i, ...] = r.targets
-                codes = self._codes_for(r.codes)
-                if codes is not None:
-                    codes[i, ...] = r.codes
-                self._record(r.method, r.engine, r.info)
-
-    def _codes_for(self, item_codes):
-        """The stacked codes array (allocated by the first item that has codes)."""
-        with self.lock:
-            if item_codes is None:
-                self.codes_none += 1
-                return None
-            if self.codes is None:
-                v = self.chunk.values
-                xp = _xp.namespace(v)
-                self.codes = xp.zeros(tuple(v.shape), dtype=item_codes.dtype,
-                                      device=_xp.device(v))
-            return self.codes
-
-    def _record(self, method, engine, info) -> None:
-        with self.lock:
-            self.methods.add(method)
-            self.engines.add(engine)
-            self.quantizer_calls += int(info.get("quantizer_calls", 0))
-            if not self.first_info:
-                self.first_info = {k: v for k, v in info.items() if k != "quantizer_calls"}
-
-    def take_engine_infos(self, chunk: StackChunk, infos) -> None:
-        if chunk.codes is not None:
-            self.codes = chunk.codes
-        for info in infos:
-            self._record(info.get("method", self.kwargs["method"]),
-                         info.get("engine", "?"), info)
-
-    def final_codes(self):
-        if self.codes is not None and self.codes_none:
-            raise TypeError(f"the quantizers of the stack disagree: {self.codes_none} items "
-                            f"returned no codes while others did; a stack needs quantizers "
-                            f"that all return codes or all return None")
-        return self.codes
 
 
 def fit_quantizers(W, bits, **kwargs) -> list:
