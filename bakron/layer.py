@@ -161,6 +161,44 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     if metrics not in METRICS:
         raise ValueError(f"metrics must be one of {METRICS}, got {metrics!r}")
     say = progress if callable(progress) else (lambda msg: None)
+    prep = _prepare(W, H_in, H_out, quantizer=quantizer, bits=bits, tile=tile, damp=damp,
+                    symmetric=symmetric, granularity=granularity, group_size=group_size,
+                    scale_method=scale_method, say=say)
+    (tx, ty), (m, n) = prep.tile, prep.W.shape
+    say(f"solving ({m} x {n}, tile {tx}x{ty})")
+    res = solve(prep.W, feedback(prep.f_out), prep.f_in.A, prep.quantizer, tile=prep.tile,
+                method=method, engine=engine)
+    return _layer_result(prep, res, metrics=metrics, say=say)
+
+
+@dataclass
+class _Prepared:
+    """A layer's checked inputs (W in its working dtype, the Hessians in native byte order),
+    its quantizer and prepared factors."""
+
+    xp: Any
+    W: Any
+    H_in: Any
+    H_out: Any
+    input_dtype: str
+    tile: tuple
+    quantizer: Any
+    f_in: Factor
+    f_out: Factor | None
+    seconds_factor: float
+
+
+def feedback(f_out: Factor | None):
+    """The ``A_out`` a solve takes for a prepared output factor: ``None`` for one-sided and for
+    a diagonal ``H_out`` (its block LDL is the identity)."""
+    return None if f_out is None else f_out.A
+
+
+def _prepare(W, H_in, H_out, *, quantizer, bits, tile, damp, symmetric, granularity,
+             group_size, scale_method, factors: dict | None = None, say=None) -> _Prepared:
+    """Check one layer's inputs, fit its quantizer when none is given, prepare its factors
+    (``factors``: a cache by Hessian object and block, for layers that share a Hessian)."""
+    say = say or (lambda msg: None)
     xp = _xp.namespace(W, H_in, H_out)
     W, H_in, H_out = native(xp, W), native(xp, H_in), native(xp, H_out)
     check_matrix(xp, W, "W")
@@ -181,20 +219,35 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     else:
         check_quantizer(quantizer, m, n, W.dtype)
     t0 = time.perf_counter()
+    factors = {} if factors is None else factors
+
+    def factor(H, block, name, prep):
+        key = (id(H), block, damp, name)
+        if key not in factors:
+            factors[key] = (H, prep(H, block, name))
+        return factors[key][1]
+
     say(f"preparing the factors (block LDL of H_in {n} x {n}"
         f"{'' if H_out is None or diag_out else f' and H_out {m} x {m}'})")
-    f_in = prepare_factor(H_in, ty, damp=damp, name="H_in")
+    full = lambda H, block, name: prepare_factor(H, block, damp=damp, name=name)  # noqa: E731
+    f_in = factor(H_in, ty, "H_in", full)
     if H_out is None:
         f_out = None
     elif diag_out:
-        f_out = _diagonal_factor(xp, H_out, damp, tx)
+        f_out = factor(H_out, tx, "H_out",
+                       lambda H, block, name: _diagonal_factor(xp, H, damp, block))
     else:
-        f_out = prepare_factor(H_out, tx, damp=damp, name="H_out")
+        f_out = factor(H_out, tx, "H_out", full)
     _xp.sync(xp)
-    t1 = time.perf_counter()
-    say(f"solving ({m} x {n}, tile {tx}x{ty})")
-    res = solve(W, None if f_out is None else f_out.A, f_in.A, quantizer, tile=(tx, ty),
-                method=method, engine=engine)
+    return _Prepared(xp, W, H_in, H_out, input_dtype, (tx, ty), quantizer, f_in, f_out,
+                     time.perf_counter() - t0)
+
+
+def _layer_result(prep: _Prepared, res: SolveResult, *, metrics: str = "full",
+                  say=None) -> LayerResult:
+    """Round-to-nearest and the proxy errors (as many as ``metrics`` asks) of a solved layer."""
+    say = say or (lambda msg: None)
+    xp, quantizer, W = prep.xp, prep.quantizer, prep.W
     figures = dict.fromkeys(("pe2", "pe1", "rtn2", "rtn1"))
     rtn = None
     t2 = time.perf_counter()
@@ -203,9 +256,9 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
         if hasattr(quantizer, "rtn"):
             rtn = quantizer.rtn(W)[0]
         else:  # nearest rounding tile by tile: the same rule with no feedback
-            rtn = solve(W, None, xp.zeros_like(f_in.A), quantizer, tile=(tx, ty),
+            rtn = solve(W, None, xp.zeros_like(prep.f_in.A), quantizer, tile=prep.tile,
                         method="antidiagonal", engine="array_api").values
-        pm = ProxyMetrics(xp, W, H_in, H_out)
+        pm = ProxyMetrics(xp, W, prep.H_in, prep.H_out)
         sides = ("two", "one") if metrics == "full" else ("two",)
         got, got_rtn = pm.errors(res.values, sides), pm.errors(rtn, sides)
         figures.update(pe2=got["two"], rtn2=got_rtn["two"])
@@ -214,12 +267,12 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
         _xp.sync(xp)
     t3 = time.perf_counter()
     return LayerResult(values=res.values, codes=res.codes, quantizer=quantizer, solve=res,
-                       factor_in=f_in, factor_out=f_out, proxy_error=figures["pe2"],
+                       factor_in=prep.f_in, factor_out=prep.f_out, proxy_error=figures["pe2"],
                        proxy_error_one_sided=figures["pe1"], rtn_values=rtn,
                        rtn_proxy_error=figures["rtn2"],
-                       rtn_proxy_error_one_sided=figures["rtn1"], seconds_factor=t1 - t0,
-                       seconds_solve=res.seconds, seconds_metrics=t3 - t2,
-                       input_dtype=input_dtype, metrics=metrics)
+                       rtn_proxy_error_one_sided=figures["rtn1"],
+                       seconds_factor=prep.seconds_factor, seconds_solve=res.seconds,
+                       seconds_metrics=t3 - t2, input_dtype=prep.input_dtype, metrics=metrics)
 
 
 def _diagonal_factor(xp, h, damp: float, block: int) -> Factor:

@@ -126,6 +126,11 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     -------
     SolveResult
     """
+    if isinstance(quantizer, (list, tuple)) or any(getattr(a, "ndim", 2) > 2 for a in (W, A_in, A_out)):  # noqa: E501
+        from .stack import solve_stack  # a stack (..., m, n) of layers: docs/stacks.md
+        return solve_stack(W, A_out, A_in, quantizer, tile=tile, method=method, engine=engine,
+                           variant=variant, base=base, return_targets=return_targets,
+                           max_naive_bytes=max_naive_bytes)
     (A_out, blk_out), (A_in, blk_in) = factor_array(A_out), factor_array(A_in)
     xp = _xp.namespace(W, A_out, A_in)
     W, A_out, A_in = native(xp, W), native(xp, A_out), native(xp, A_in)
