@@ -169,7 +169,16 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     if method == "wavefront" and eng.NAME != "cuda":
         raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
                          "engine only (cupy arrays); use 'recursive', 'antidiagonal' or 'auto'")
-    if auto_base:
+    return execute(p, eng, method, None if auto_base else base, variant, max_naive_bytes)
+
+
+def execute(p: Problem, eng, method: str, base: int | None, variant: str,
+            max_naive_bytes: int | None = None) -> SolveResult:
+    """Run a checked problem ``p`` on the engine ``eng`` (what :func:`solve` does after its
+    checks and engine choice; the stack layer calls it for each item): the engine's measured
+    ``auto_base``/``auto_method`` rules, the timed ``run``, the check of the result."""
+    xp = p.xp
+    if base is None:
         base = int(eng.auto_base(p))
     if method == "auto":
         method = eng.auto_method(p, base)
@@ -181,10 +190,10 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     out = eng.run(p, method, base, variant, **kw)
     _xp.sync(xp)
     seconds = time.perf_counter() - t0
-    check_result_finite(xp, out.values, quantizer)
+    check_result_finite(xp, out.values, p.quantizer)
     info.update(out.info)
     return SolveResult(values=out.values, codes=out.codes, method=method, engine=eng.NAME,
-                       seconds=seconds, tile=(tx, ty), targets=out.targets, info=info)
+                       seconds=seconds, tile=(p.tx, p.ty), targets=out.targets, info=info)
 
 
 def _check_strictly_lower(xp, A, block: int, name: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from contextlib import contextmanager
 
 from .. import _xp
@@ -54,17 +53,14 @@ def blas_threads(n: int | None):
 
 def engine_check(solvers, xp, chunk, engine: str, return_targets: bool) -> dict:
     """Resolve the engine of every distinct quantizer on item 0's shapes, before any work, so
-    that an engine that cannot run the stack fails early. Returns ``{id(q): (name, engine)}``
-    (``engine`` is ``None`` for the array-API path where the solver package has no engine
-    object for it).
+    that an engine that cannot run the stack fails early. Returns ``{id(q): engine}``.
 
-    This is the one place where the stack layer uses the single-layer solve's internals
-    (``Problem`` and the engine choice, ``_pick_engine`` or the older ``_resolve_engine``)."""
+    With :func:`solve_item`, the one place where the stack layer uses the single-layer
+    solve's internals (``Problem`` and ``_pick_engine``)."""
     from ._problem import Problem
 
     W0, A_out0, A_in0, _ = chunk.item(0)
     want = "array_api" if return_targets and engine == "auto" else engine
-    pick = getattr(solvers, "_pick_engine", None)
     out, by_type = {}, {}
     for q in chunk.quantizers:
         if id(q) in out:
@@ -73,56 +69,27 @@ def engine_check(solvers, xp, chunk, engine: str, return_targets: bool) -> dict:
             out[id(q)] = by_type[type(q)]
             continue
         p = Problem(xp, W0, A_out0, A_in0, q, chunk.tile, record_targets=return_targets)
-        if pick is not None:
-            eng = pick(want, p, chunk.method, chunk.variant)
-            name = eng.NAME
-        else:
-            name, eng = solvers._resolve_engine(want, p)
-        if chunk.method == "wavefront" and name != "cuda":
+        eng = solvers._pick_engine(want, p, chunk.method, chunk.variant)
+        if chunk.method == "wavefront" and eng.NAME != "cuda":
             raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
                              "engine only (cupy arrays); use 'recursive', 'antidiagonal' or "
                              "'auto'")
-        out[id(q)] = by_type[type(q)] = (name, eng)
+        out[id(q)] = by_type[type(q)] = eng
     return out
 
 
-def solve_item(W, A_out, A_in, quantizer, engine: tuple, kw: dict):
-    """One item of a validated stack, with the engine chosen by ``engine_check``.
+def solve_item(W, A_out, A_in, quantizer, eng, kw: dict):
+    """One item of a validated stack on the engine chosen by ``engine_check``.
 
-    The stack has checked every item already, so the item goes straight to its engine
-    instead of through :func:`bakron.solve`, whose checks (structure of both factors,
-    finiteness) cost about a quarter of a 256² solve. What runs is what ``solve`` runs after
-    its checks: the engine's measured ``auto_base``/``auto_method`` rules, then the engine's
-    ``run`` (engines with a capability table) or ``solve`` (older engine modules). Anything
-    else (the array-API path, a method an engine declines) goes through ``solve`` itself."""
-    from . import SolveResult, solve
+    The stack has checked every item already, so the item skips :func:`bakron.solve`'s checks
+    (structure of both factors, finiteness: about a quarter of a 256² solve) and runs what
+    ``solve`` runs after them, :func:`bakron.solvers.execute`."""
+    from . import execute
     from ._problem import Problem
 
-    name, eng = engine
-    runs = callable(getattr(eng, "run", None)) and hasattr(eng, "CAPABILITIES")
-    if eng is None or name == "array_api" or not (runs or callable(getattr(eng, "solve", None))):
-        return solve(W, A_out, A_in, quantizer, **kw)
-    xp = _xp.namespace(W)
-    p = Problem(xp, W, A_out, A_in, quantizer, kw["tile"], record_targets=kw["return_targets"])
-    base = int(eng.auto_base(p)) if kw["base"] is None else int(kw["base"])
-    method = eng.auto_method(p, base) if kw["method"] == "auto" else kw["method"]
-    variant = kw["variant"]
-    info = {"base": base, "variant": variant if method == "antidiagonal" else None}
-    _xp.sync(xp)
-    t0 = time.perf_counter()
-    if runs:
-        out = eng.run(p, method, base, variant)
-        values, codes, targets = out.values, out.codes, out.targets
-        info.update(out.info)
-    elif eng.solve(p, method, base, variant):
-        values, codes, targets = p.Wq, p.codes, p.T
-        info["quantizer_calls"] = p.quantizer_calls
-    else:  # a method the engine leaves to the generic drivers
-        return solve(W, A_out, A_in, quantizer, **kw)
-    _xp.sync(xp)
-    return SolveResult(values=values, codes=codes, method=method, engine=name,
-                       seconds=time.perf_counter() - t0, tile=kw["tile"], targets=targets,
-                       info=info)
+    p = Problem(_xp.namespace(W), W, A_out, A_in, quantizer, kw["tile"],
+                record_targets=kw["return_targets"])
+    return execute(p, eng, kw["method"], kw["base"], kw["variant"], kw.get("max_naive_bytes"))
 
 
 class ItemRunner:
@@ -132,7 +99,7 @@ class ItemRunner:
     def __init__(self, chunk, kwargs: dict, numba_threads: int | None,
                  engines: dict):
         self.chunk = chunk
-        self.chosen = engines  # id(quantizer) -> (name, engine), from engine_check
+        self.chosen = engines  # id(quantizer) -> engine, from engine_check
         self.kwargs = kwargs
         self.numba_threads = numba_threads
         self.codes = None

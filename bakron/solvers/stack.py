@@ -317,10 +317,9 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
                            info={"stack": {"shape": stack, "items": 0, "chunks": 0}})
 
     # ---- execution -----------------------------------------------------------------------
-    names = {e[0] for e in engines.values()}
-    mods = [e[1] for e in engines.values()]
+    names = {e.NAME for e in engines.values()}
     one_engine = len(names) == 1
-    eng = mods[0] if one_engine else None
+    eng = next(iter(engines.values())) if one_engine else None
     n_cores = cores()
     if workers is None:
         workers = n_cores if (one_engine and eng is not None
