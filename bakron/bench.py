@@ -268,7 +268,7 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, sh
             lines.append(f"| {m} × {n} | {_fmt_ms(r['floor'])} | {_fmt_ms(r['recursive'])} | "
                          f"{r['recursive'] / r['floor']:.2f} |")
     lines += ["", "Notes:", "",
-              "- Targets (issue 3, float32, tile 16, 2-bit grid): recursive ÷ floor ≤ 3 at "
+              "- Targets (float32, tile 16, 2-bit grid): recursive ÷ floor ≤ 3 at "
               "1024², ≤ 2.5 at 2048² (column 'target').",
               "- All solvers but 'recursive (array API)' run on the numba engine: compiled, "
               "quantizer fused. The accumulator anti-diagonal makes one small BLAS product per "

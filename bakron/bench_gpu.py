@@ -420,7 +420,7 @@ def write_page(results, path_md, path_png, command, pytest_line, checks, meta):
     L.append("")
     L.append("## Float32 agreement\n")
     L.append("Entries of Ŵ (float32) that differ from the float64 result, per method (near-ties "
-             "flip and the flip propagates; SPEC §4):\n")
+             "flip and the flip propagates):\n")
     L.append("| size | " + " | ".join(METHODS) + " |")
     L.append("|---|" + "---|" * len(METHODS))
     for r in sizes:

@@ -95,7 +95,7 @@ def _auto_method(p: Problem, base: int, eng=None) -> str:
 def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
           engine: str = "auto", variant: str = "accumulator", base: int | None = None,
           return_targets: bool = False, max_naive_bytes: int | None = None) -> SolveResult:
-    """Round ``W`` with the two-sided rule of SPEC §3.
+    """Round ``W`` with the two-sided block-LDL feedback rule (docs/algorithm.md).
 
     Parameters
     ----------
@@ -112,12 +112,12 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         Tile shape; the last tile row/column is smaller when it does not divide W.
     method : {"auto", "naive", "antidiagonal", "recursive", "wavefront"}
         All give the same Ŵ (exactly in float64). ``auto`` picks by the engine's measured
-        rules. ``wavefront`` (the two-level schedule of SPEC §4) runs on the cuda engine only.
+        rules. ``wavefront`` (two-level, docs/algorithm.md) runs on the cuda engine only.
     engine : {"auto", "array_api", "numba", "cuda"}
         Where the base case runs. ``auto``: numba for numpy inputs with a uniform quantizer
         when numba imports, the CUDA kernels for cupy inputs, else the array-API path.
     variant : {"accumulator", "direct"}
-        For ``method="antidiagonal"``: how targets are formed (SPEC §4).
+        For ``method="antidiagonal"``: how targets are formed (docs/algorithm.md).
     base : int
         Base-block size in tiles for the recursive solver (default: the engine's measured
         rule, docs/engines.md; 8 on the array-API engine).
