@@ -2,7 +2,7 @@
 
 ``asv run --python=same --quick -b Smoke`` (CI, under a minute once numba's kernels are
 cached) fails when bakron or a benchmark cannot be imported or raises; ``asv run
-main~4..main -b Smoke`` draws a history in a few minutes per commit. Every figure is also in the
+main~5..main -b Smoke`` draws a history in a few minutes per commit. Every figure is also in the
 full suite (bench_solvers, bench_hessian) at larger sizes.
 """
 import numpy as np
