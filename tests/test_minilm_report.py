@@ -104,3 +104,12 @@ def test_plots_are_pngs():
     q, p = demo._plots(_res(lee=False))
     assert q[:8] == p[:8] == b"\x89PNG\r\n\x1a\n"
     assert re.search(rb"IHDR", p)
+
+
+def test_findings_call_a_near_tie_a_tie():
+    cos = {2: [0.9] * 4, 3: [0.2, 0.1, 0.05, 0.06], 4: [0.0742, 0.0297, 0.02439, 0.02437]}
+    four = [ln for ln in demo._findings(_res(lee=False, cos=cos)) if ln.startswith("- ")][2]
+    assert (f"{demo.METHODS['local']} and {demo.METHODS['attention']} come (within 3 % of each "
+            "other) closest") in four
+    three = [ln for ln in demo._findings(_res(lee=False, cos=cos)) if ln.startswith("- ")][1]
+    assert f"{demo.METHODS['attention']} comes closest" in three

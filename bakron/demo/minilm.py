@@ -559,15 +559,17 @@ def _findings(res) -> list[str]:
         quality = ("close to the original model" if c < _CLOSE
                    else "measurably changed" if c < _FAR
                    else f"far from the original: mean cosine {1 - c:.2f}")
-        s = (f"- **{b} bits: {METHODS[best['method']]} comes closest to the original** "
-             f"(mean 1−cos {best['one_minus_cos']:.3g}; {quality}).")
+        tied = [METHODS[e["method"]] for e in es if e["one_minus_cos"] <= c * 1.03]
+        who = (f"{tied[0]} comes" if len(tied) == 1
+               else f"{', '.join(tied[:-1])} and {tied[-1]} come (within 3 % of each other)")
+        s = f"- **{b} bits: {who} closest to the original** (mean 1−cos {c:.3g}; {quality})."
         parts = []
         for base, label in (("ldlq", "one-sided LDLQ's"), ("rtn", "round-to-nearest's")):
             if base in res["methods"] and best["method"] != base:
                 ref = by[(b, base)]["one_minus_cos"]
                 parts.append(f"{_compare(best['one_minus_cos'], ref)} {label} ({ref:.3g})")
         if parts:
-            s += " Its error is " + ", and ".join(parts) + "."
+            s += (" Its" if len(tied) == 1 else " Their") + " error is " + ", and ".join(parts) + "."
         if "rtn" in res["methods"]:
             rt = by[(b, "rtn")]["one_minus_cos"]
             worse = [METHODS[e["method"]] for e in es if e["one_minus_cos"] > rt * 1.03]
