@@ -73,9 +73,10 @@ def metadata(path) -> dict:
     return read_header(path)[0].get("__metadata__", {}) or {}
 
 
-def save(path, tensors: dict, metadata: dict | None = None) -> None:
+def save(path, tensors: dict, metadata: dict | None = None, bf16=()) -> None:
     """Write ``tensors`` (name -> numpy array) to ``path`` (plain write; callers that need
-    atomicity write to a temporary name and rename)."""
+    atomicity write to a temporary name and rename). Names in ``bf16`` hold uint16 arrays of
+    bfloat16 bit patterns and are stored as BF16."""
     header: dict = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -86,7 +87,12 @@ def save(path, tensors: dict, metadata: dict | None = None) -> None:
         if key not in _NAMES:
             raise ValueError(f"tensor {name!r}: dtype {a.dtype} cannot be stored in safetensors")
         b = a.astype(key, copy=False).tobytes()
-        header[name] = {"dtype": _NAMES[key], "shape": list(a.shape),
+        dt = _NAMES[key]
+        if name in bf16:
+            if a.dtype != np.uint16:
+                raise ValueError(f"tensor {name!r}: BF16 data must be uint16 bit patterns")
+            dt = "BF16"
+        header[name] = {"dtype": dt, "shape": list(a.shape),
                         "data_offsets": [offset, offset + len(b)]}
         blobs.append(b)
         offset += len(b)
