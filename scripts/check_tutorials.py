@@ -67,6 +67,11 @@ def parse(text: str) -> list[Block]:
         for d in directives:
             if d.startswith("needs "):
                 needs.extend(d.split()[1:])
+            elif d not in ("with numba", "without numba", "output varies"):
+                line = text.count("\n", 0, m.start()) + 1
+                raise ValueError(f"unknown check directive {d!r} before line {line}; known: "
+                                 "'needs MODULE|gpu', 'with numba', 'without numba', "
+                                 "'output varies'")
         if lang == "python":
             line = text.count("\n", 0, m.start()) + 1
             blocks.append(Block(line, body, needs=tuple(dict.fromkeys(needs))))

@@ -128,3 +128,8 @@ def test_no_numba_blocks_the_import(tmp_path):
                     "    print('blocked')\n```\n\n```text\nblocked\n```\n", encoding="utf-8")
     rep = ct.check(page, no_numba=True)
     assert ct.failures(rep) == [], rep
+
+
+def test_unknown_directive_is_an_error():
+    with pytest.raises(ValueError, match="unknown check directive 'with numbaa'"):
+        ct.parse("<!-- check: with numbaa -->\n```text\nx\n```\n")
