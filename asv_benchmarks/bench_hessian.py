@@ -60,12 +60,10 @@ class GlobalFactorsBudget:
     def track_peak_working_mib(self, frac):
         return sig3(self._run().peak_bytes / 2.0 ** 20)
     track_peak_working_mib.unit = "MiB"
-    track_peak_working_mib.rounds = 1
 
     def track_recompute_factor(self, frac):
         return sig3(self._run().recompute_factor)
     track_recompute_factor.unit = "x store-all"
-    track_recompute_factor.rounds = 1
 
     def track_passes(self, frac):
         return self._run().passes

@@ -63,7 +63,6 @@ class Smoke:
         return sig3(err / bakron.proxy_error(p["W"], rtn, p["H_in"], p["H_out"]))
 
     track_proxy_over_rtn.unit = "× RTN"
-    track_proxy_over_rtn.rounds = 1  # deterministic: one value, not a median of rounds
 
 
 class SmokeHessian:

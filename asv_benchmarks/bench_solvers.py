@@ -10,7 +10,8 @@
   units of ``m n`` elements of the dtype, outputs included — lower is better; the recursive
   solver's target is ≤ 3 (the factors are passed in W's dtype, so no cast counts).
 
-The ``track_`` ratios are rounded to 3 significant digits and measured in one round.
+The ``track_`` ratios are rounded to 3 significant digits (asv runs a ``track_`` once per
+commit: it has no rounds).
 
 Default run: 256² … 2048², float32 and float64, engines numba and array_api; slow
 combinations (the O(n⁴) direct anti-diagonal beyond 1024², the array-API engine beyond
@@ -127,7 +128,6 @@ class Solvers:
         return sig3(np.median(solve) / np.median(floor))
 
     track_time_over_floor.unit = "× floor"
-    track_time_over_floor.rounds = 1
 
     def track_proxy_over_rtn(self, method, shape, dtype, engine):
         p = self.p
@@ -137,7 +137,6 @@ class Solvers:
         return sig3(err / bakron.proxy_error(p["W"], rtn, p["H_in"], p["H_out"]))
 
     track_proxy_over_rtn.unit = "× RTN"
-    track_proxy_over_rtn.rounds = 1
 
     def track_extra_memory_mn(self, method, shape, dtype, engine):
         """Peak of the array memory allocated during one solve (tracemalloc sees numpy's
@@ -157,4 +156,3 @@ class Solvers:
         return sig3(peak / (m * n * p["W"].dtype.itemsize))
 
     track_extra_memory_mn.unit = "m·n elements"
-    track_extra_memory_mn.rounds = 1
