@@ -5,10 +5,10 @@
 * ``track_time_over_floor``: median solve time ÷ median time of the floor product
   ``G_Oᵀ W G_I`` (numpy, same dtype), 7 of each, interleaved — lower is better;
 * ``track_proxy_over_rtn``: proxy error ``tr(E H_I Eᵀ H_O) / tr(W H_I Wᵀ H_O)`` of the result
-  ÷ that of round-to-nearest — lower is better (> 1 can happen at 2 bits with clipping grids);
+  ÷ that of round-to-nearest — lower is better (> 1 happens at 2 bits);
 * ``track_extra_memory_mn``: peak array memory allocated by one solve (tracemalloc), in
-  units of ``m n`` elements of the dtype, outputs included — lower is better; the recursive
-  solver's target is ≤ 3 (the factors are passed in W's dtype, so no cast counts).
+  units of ``m n`` elements of the dtype, outputs included — lower is better; the project's
+  budget is ≤ 3 for the recursive solver (the factors are passed in W's dtype, so no cast counts).
 
 The ``track_`` ratios are rounded to 3 significant digits (asv runs a ``track_`` once per
 commit: it has no rounds).

@@ -5,16 +5,16 @@ Imported only by :mod:`bakron.backends.numba_cuda` (which imports ``numba.cuda``
 
 What one launch does
 --------------------
-``nblk`` independent blocks of tiles (descriptors in ``desc``, 8 int64 each:
-``ra, rb, ca, cb`` tile ranges, ``f_off, f_ld`` where the block's base offsets / local
-accumulator live, ``0, 0`` reserved). Step ``g = 0, 1, ...`` handles local anti-diagonal
+``nblk`` independent blocks of tiles (descriptors in ``desc``, ``DESC`` int64 each with the
+fields of ``_cuda_layout``: ``ra, rb, ca, cb`` tile ranges, ``f_off, f_ld`` where the block's
+base offsets / local accumulator live). Step ``g = 0, 1, ...`` handles local anti-diagonal
 ``Mb + Nb - 2 - g`` of every block (two-sided) or tile column ``Nb - 1 - g`` (one-sided); all the
 tiles of a step, over all blocks, are spread over the CTAs of the grid (one 16 x 16 tile per CTA
 at a time, one thread per element), and ``this_grid().sync()`` separates the steps. So a block's
 whole wavefront, and a whole phase of independent blocks, is one launch.
 
-The target of tile (a, b) of a block with rows [R0, R1) and columns [C0, C1) (SPEC §3, in the
-block-local accumulator form of SPEC §4) is::
+The target of tile (a, b) of a block with rows [R0, R1) and columns [C0, C1) (the rounding rule
+of docs/algorithm.md in the block-local accumulator form) is::
 
     T = W + F + Yg + P + sum_{l >= j1, l < C1} Y[rows a, l] A_I[l, cols b]
     P = sum_{k >= i1, k < R1} A_O[k, rows a]^T E[k, cols b]          ("pull", two-sided only)
@@ -29,7 +29,7 @@ no scratch beyond ``E``.
 The rounding is the one of :meth:`bakron.UniformQuantizer.quantize`: ``round(t / s)`` half to
 even (``cvt.rni``), clip, ``s * c`` (symmetric) or ``s * (c - z)``, in the working dtype, so a
 given target rounds bit-identically; the targets are sums in another order than the array-API
-path, so results agree exactly in float64 and up to near-ties in float32 (SPEC §4).
+path, so results agree exactly in float64 and up to near-ties in float32 (docs/algorithm.md).
 
 The same Python source runs compiled (arguments are raw device pointers, ``CPointer``, so a
 launch wraps nothing) and under numba-cuda's simulator (arguments are flat numpy arrays; the
@@ -41,15 +41,8 @@ import math
 
 from numba import cuda, types  # this module is imported lazily, by numba_cuda only
 
-#: flag bits of a launch
-HAS_F = 1
-HAS_YG = 2
-TWO_SIDED = 4
-ASYM = 8
-HAS_T = 16
-
-#: descriptor fields per block
-DESC = 8
+from ._cuda_layout import (ASYM, DESC, DESC_CA, DESC_CB, DESC_F_LD, DESC_F_OFFSET, DESC_RA,
+                           DESC_RB, HAS_F, HAS_T, HAS_YG, TWO_SIDED)
 
 _CACHE: dict = {}
 
@@ -65,10 +58,6 @@ def chunk_for(tx: int, ty: int, itemsize: int) -> int:
     kc = 40960 // ((2 * tx + 2 * ty) * itemsize)
     kc = max(8, min(64, kc - kc % 8))
     return int(kc)
-
-
-def supported_tile(tx: int, ty: int) -> bool:
-    return tx * ty <= 1024 and tx <= 64 and ty <= 64
 
 
 def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
@@ -99,6 +88,19 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
     def block_kernel(W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc,
                      m, n, nblk, nsteps, flags, s_rows, s_cols, z_rows, z_cols, gsz,
                      lo_i, hi_i):
+        """Solve ``nblk`` blocks. Arguments, in four groups (flat row-major arrays):
+
+        * the problem: ``W`` (m x n), ``AO`` (m x m; unused one-sided), ``AI`` (n x n);
+        * the buffers: ``F`` (offsets, then each block's local accumulator; where a block's
+          live is in its descriptor), ``E`` (errors, m x n), ``Yg`` (the two-level wavefront's
+          global accumulator, used with ``HAS_YG``), the outputs ``Wq``, ``codes``, ``T``
+          (targets, with ``HAS_T``);
+        * the schedule: ``desc`` (``nblk`` descriptors of ``DESC`` fields), ``m``, ``n``,
+          ``nblk``, ``nsteps`` (grid-synchronised steps of this launch), ``flags``;
+        * the grid of the quantizer: scales ``S`` (``s_rows`` x ``s_cols``), zero points ``Z``
+          (``z_rows`` x ``z_cols``, with ``ASYM``), the group size ``gsz`` and the code range
+          ``lo_i``..``hi_i``.
+        """
         sAO = cuda.shared.array((KC, TX), dt)
         sE = cuda.shared.array((KC, TY), dt)
         sY = cuda.shared.array((TX, KC), dt)
@@ -123,10 +125,10 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
             # tiles of this step over all blocks
             total = 0
             for bi in range(nblk):
-                ra = desc[bi * DESC + 0]
-                rb = desc[bi * DESC + 1]
-                ca = desc[bi * DESC + 2]
-                cb = desc[bi * DESC + 3]
+                ra = desc[bi * DESC + DESC_RA]
+                rb = desc[bi * DESC + DESC_RB]
+                ca = desc[bi * DESC + DESC_CA]
+                cb = desc[bi * DESC + DESC_CB]
                 Mb = rb - ra
                 Nb = cb - ca
                 if two:
@@ -155,10 +157,10 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
                 f_off = 0
                 f_ld = 0
                 for bi in range(nblk):
-                    ra = desc[bi * DESC + 0]
-                    rb = desc[bi * DESC + 1]
-                    ca = desc[bi * DESC + 2]
-                    cb = desc[bi * DESC + 3]
+                    ra = desc[bi * DESC + DESC_RA]
+                    rb = desc[bi * DESC + DESC_RB]
+                    ca = desc[bi * DESC + DESC_CA]
+                    cb = desc[bi * DESC + DESC_CB]
                     Mb = rb - ra
                     Nb = cb - ca
                     cnt = 0
@@ -178,8 +180,8 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
                         if g < Nb:
                             cnt = Mb
                     if rem < cnt:
-                        f_off = desc[bi * DESC + 4]
-                        f_ld = desc[bi * DESC + 5]
+                        f_off = desc[bi * DESC + DESC_F_OFFSET]
+                        f_ld = desc[bi * DESC + DESC_F_LD]
                         if two:
                             a = ra + alo + rem
                             b = ca + (s - (alo + rem))

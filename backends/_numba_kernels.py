@@ -14,6 +14,20 @@ Conventions
   their idle workers spin against each other on a 2-core machine). Otherwise an adapter to
   the ``?gemm`` that numba binds to SciPy's ``cython_blas``. Either is registered under a
   fixed symbol name before any kernel is linked, so the on-disk cache stays valid.
+
+Arguments
+---------
+The kernels take their arguments positionally, always in these groups and this order
+(``numba_cpu._Operands`` prepares them; named tuples were tried and dropped: numba's on-disk
+cache crashed when a new process reloaded kernels compiled with them):
+
+* the problem and offsets: ``W, F, useF`` (``F``, the feedback a block received from outside,
+  is read only when ``useF``), the factors ``AO`` (a 1 x 1 placeholder one-sided) and ``AI``;
+* the outputs: ``Wq, codes, T, useT`` (targets written only when ``useT``), and where a
+  block's errors go: ``FE, writeE``;
+* the block and the tile: element ranges ``R0, R1, C0, C1``, tile ``tx, ty``;
+* the quantizer's scalar grid, always last: ``s_tab, z_tab, gs, lo, hi, sym`` (scale and
+  zero-point tables, group size, code range in the working dtype, symmetric).
 """
 from __future__ import annotations
 
@@ -130,8 +144,8 @@ SERIAL_MNK = 1 << 18
 #: Products with fewer multiply-adds than this (a few tens of microseconds on one core) are
 #: split into pieces below ``SERIAL_MNK`` so that BLAS runs them on the calling thread: a
 #: second thread gains little there, and on a machine whose other cores are busy every
-#: multi-threaded BLAS call can wait a scheduler time slice for its helper thread. Measured
-#: (quiet 2-core machine, 1024², tile 16): 2^21 -> 1.96x floor, 2^25 -> 2.64x.
+#: multi-threaded BLAS call can wait a scheduler time slice for its helper thread. Measured:
+#: docs/engines.md ("BLAS and threads").
 PARALLEL_MNK = 1 << 21
 
 
@@ -243,17 +257,6 @@ def _quant(t, i, j, s_tab, z_tab, gs, lo, hi, sym):
     z = z_tab[zi, zg]
     c = min(max(q + z, lo), hi)
     return s * (c - z), c
-
-
-@njit(cache=True)
-def rtn(W, Wq, codes, s_tab, z_tab, gs, lo, hi, sym):
-    """Round-to-nearest of all of ``W`` (reference for the tests)."""
-    m, n = W.shape
-    for i in range(m):
-        for j in range(n):
-            v, c = _quant(W[i, j], i, j, s_tab, z_tab, gs, lo, hi, sym)
-            Wq[i, j] = v
-            codes[i, j] = np.int16(c)
 
 
 # ---------------------------------------------------------------------------------------
@@ -381,15 +384,17 @@ def base_two_sided(W, F, useF, AO, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C
 
 
 # ---------------------------------------------------------------------------------------
-# the recursive solver: a plan of base blocks and feedback updates, executed here
+# the recursive solver: the recursion plan (bakron.solvers.schedule) as an op table
 # ---------------------------------------------------------------------------------------
-OP_BASE, OP_QUAD_D, OP_QUAD_BC, OP_COL, OP_ROW = 0, 1, 2, 3, 4
+#: op codes of the table (``numba_cpu.op_table``): a leaf, or the update of that kind
+#: (``bakron.solvers.schedule.Update`` says what each adds)
+OP_LEAF, OP_AFTER_D, OP_AFTER_BC, OP_AFTER_RIGHT, OP_AFTER_BOTTOM = 0, 1, 2, 3, 4
 
 
 @njit(cache=True)
 def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, panel,
              s_tab, z_tab, gs, lo, hi, sym):
-    """Execute the recursion's plan (see ``numba_cpu._plan``). ``FE`` holds the offsets F of
+    """Execute the recursion's op table (``numba_cpu.op_table``). ``FE`` holds the offsets F of
     unsolved blocks and the errors E = W - Wq of solved ones; ``buf`` is the scratch space
     (per-level offsets in the plan)."""
     m, n = W.shape
@@ -398,7 +403,7 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
         r0, r_, r1 = plan[q, 1], plan[q, 2], plan[q, 3]
         c0, c_, c1 = plan[q, 4], plan[q, 5], plan[q, 6]
         o = plan[q, 7]
-        if op == OP_BASE:
+        if op == OP_LEAF:
             if two_sided:
                 base_two_sided(W, FE, True, AO, AI, Wq, codes, T, useT, FE, True,
                                r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
@@ -408,7 +413,7 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
             else:
                 base_one_sided(W, FE, True, AI, Wq, codes, T, useT, FE, True,
                                r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
-        elif op == OP_QUAD_D:
+        elif op == OP_AFTER_D:
             hB, hD, wA, wB = r_ - r0, r1 - r_, c_ - c0, c1 - c_
             # F_B += A_O[R2,R1]^T (E_D G_I[C2,C2])
             copy_into(buf, o, wB, FE, r_ * n + c_, n, hD, wB)
@@ -420,7 +425,7 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
                  hD, wA, wB, 0.0)
             add_into(FE, r_ * n + c0, n, buf, o, wA, hD, wA)
             tri_left_t_acc(FE, r_ * n + c0, n, AO, r_ * m + r_, m, buf, o, wA, hD, wA, panel)
-        elif op == OP_QUAD_BC:
+        elif op == OP_AFTER_BC:
             hB, hD, wA, wB = r_ - r0, r1 - r_, c_ - c0, c1 - c_
             # F_A += A_O[R2,R1]^T (E_C G_I[C1,C1] + X)
             add_into(buf, o, wA, FE, r_ * n + c0, n, hD, wA)
@@ -432,7 +437,7 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
                  hB, wA, wB, 0.0)
             add_into(FE, r0 * n + c0, n, buf, o, wA, hB, wA)
             tri_left_t_acc(FE, r0 * n + c0, n, AO, r0 * m + r0, m, buf, o, wA, hB, wA, panel)
-        elif op == OP_COL:
+        elif op == OP_AFTER_RIGHT:
             h, wA, wB = r1 - r0, c_ - c0, c1 - c_
             if two_sided:
                 # F_left += G_O[R,R]^T (E_right A_I[C2,C1])
@@ -444,7 +449,7 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
             else:
                 gemm(FE, r0 * n + c0, n, FE, r0 * n + c_, n, False, AI, c_ * n + c0, n,
                      False, h, wA, wB, 1.0)
-        else:  # OP_ROW
+        else:  # OP_AFTER_BOTTOM
             hT, hD, w = r_ - r0, r1 - r_, c1 - c0
             # F_top += A_O[R2,R1]^T (E_bottom G_I[C,C])
             copy_into(buf, o, w, FE, r_ * n + c0, n, hD, w)
@@ -494,13 +499,14 @@ def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
 @njit(cache=True)
 def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, Y, tx, ty,
                              s_tab, z_tab, gs, lo, hi, sym):
-    """Two-sided anti-diagonal wavefront with the accumulator ``Y = G_O^T Ẽ`` (SPEC §4):
-    one step per anti-diagonal; each tile fuses its target ``W + F + Y[a, >=b] G_I[>=b, b]``
-    (a small BLAS product), its rounding and its ``Y`` update (another). Tiles of one
+    """Two-sided anti-diagonal wavefront with the accumulator ``Y = G_O^T Ẽ``
+    (docs/algorithm.md): the steps of ``schedule.tile_wavefront``, one per anti-diagonal;
+    each tile fuses its target ``W + F + Y[a, >=b] G_I[>=b, b]`` (a small BLAS product), its
+    rounding and its ``Y`` update (another). Tiles of one
     diagonal write disjoint columns of ``Y`` and read none that another writes, so they
     could run in parallel; on the CPU the tiles of a diagonal run one after the other, as
-    a prange over them measured 5-70x slower (thread hand-offs per diagonal, and BLAS calls
-    from worker threads contend with BLAS's own threads; see docs/engines.md)."""
+    a prange over them measured slower (thread hand-offs per diagonal, and BLAS calls from
+    worker threads contend with BLAS's own threads; docs/engines.md)."""
     m, n = W.shape
     M = (m + tx - 1) // tx
     N = (n + ty - 1) // ty

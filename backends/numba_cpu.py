@@ -1,16 +1,16 @@
 """The numba CPU engine: compiled base blocks, the recursion driving BLAS, the baselines.
 
 Selected by ``bakron.solve(..., engine="numba")``, and by ``engine="auto"`` for numpy inputs
-with a :class:`bakron.UniformQuantizer` when numba imports. numba is imported only when this
-engine first runs (``import bakron`` never imports it).
+with a :class:`bakron.UniformQuantizer` when numba imports (``CAPABILITIES``). numba is
+imported only when this engine first runs (``import bakron`` never imports it).
 
 What runs compiled (``backends/_numba_kernels.py``):
 
 * the base block (two-sided: row tiles bottom-up, the rows below pushed through one small
   GEMM, then a one-sided sweep right to left with the quantizer fused; one-sided: every row
   tile in parallel);
-* ``method="recursive"``: the whole quadrant recursion of SPEC §4 as a precomputed plan of
-  base blocks and feedback updates, executed in one compiled call. Updates are BLAS GEMMs
+* ``method="recursive"``: the recursion plan of ``bakron.solvers.schedule`` as an op table
+  of base blocks and feedback updates, executed in one compiled call. Updates are BLAS GEMMs
   accumulating in place (``beta = 1``) into one buffer that holds the offsets ``F`` of
   unsolved blocks and the errors ``E`` of solved ones; products with the unit-triangular
   diagonal blocks of ``G`` skip their zero triangle (panels). Extra memory: that buffer
@@ -20,16 +20,26 @@ What runs compiled (``backends/_numba_kernels.py``):
 
 Rounding is bit-identical to :meth:`bakron.UniformQuantizer.quantize` for a given target;
 the targets themselves are sums in another order than the array-API path, so results agree
-exactly in float64 and up to near-ties in float32 (SPEC §4).
+exactly in float64 and up to near-ties in float32 (docs/algorithm.md, "float32").
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import numpy as np
 
-__all__ = ["available", "supports", "solve_block", "solve", "auto_base", "auto_method",
+__all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "op_table",
            "warm_up", "PANEL", "BASE_ELEMENTS"]
+
+from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
+from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT, Block,
+                                     RecursionPlan)
+
+NAME = "numba"
+CAPABILITIES = Capabilities(methods=("antidiagonal", "recursive"),
+                            variants=("accumulator", "direct"), namespaces=("numpy",),
+                            quantizers=UNIFORM_FUSED)
 
 #: Panel width (elements) of the triangular products: the zero triangle of a unit-triangular
 #: block is skipped except inside the diagonal panels. Measured: see docs/engines.md.
@@ -38,16 +48,16 @@ PANEL = 64
 #: Side of the base block in elements that ``auto_base`` aims at. Measured: docs/engines.md.
 BASE_ELEMENTS = 128
 
-_K = None
+_kernel_module = None
 
 
 def _kernels():
     """The compiled kernels (imports numba; compiles or loads from the on-disk cache)."""
-    global _K
-    if _K is None:
+    global _kernel_module
+    if _kernel_module is None:
         from . import _numba_kernels
-        _K = _numba_kernels
-    return _K
+        _kernel_module = _numba_kernels
+    return _kernel_module
 
 
 def available() -> bool:
@@ -62,25 +72,10 @@ def available() -> bool:
     return True
 
 
-def _is_uniform(q) -> bool:
-    from bakron.quantizers import UniformQuantizer
-
-    return isinstance(q, UniformQuantizer) and type(q).quantize is UniformQuantizer.quantize
-
-
-def supports(p) -> bool:
-    """numpy arrays, float32/float64, a :class:`bakron.UniformQuantizer` (not a subclass
-    that overrides ``quantize``)."""
-    from bakron import _xp
-
-    return (_xp.is_numpy(p.xp) and isinstance(p.W, np.ndarray)
-            and p.W.dtype in (np.float32, np.float64) and p.W.dtype.isnative
-            and _is_uniform(p.quantizer))
-
-
 # ---------------------------------------------------------------------------------------
-class _Args:
-    """The arrays and scalars every kernel takes, prepared once per call."""
+class _Operands:
+    """The arrays and scalars every kernel takes, prepared once per solve; the outputs
+    (``Wq``, ``codes``, ``T``) are new arrays of this solve."""
 
     def __init__(self, p):
         dt = p.W.dtype
@@ -89,11 +84,10 @@ class _Args:
         self.AO = None if p.A_O is None else np.ascontiguousarray(p.A_O)
         self.AI = np.ascontiguousarray(p.A_I)
         self.dummy = np.zeros((1, 1), dtype=dt)
-        if p.codes is None:
-            p.codes = np.zeros((p.m, p.n), dtype=np.int16)
-        p.codes_seen = True
-        self.useT = p.T is not None
-        self.T = p.T if self.useT else self.dummy
+        self.Wq = np.empty((p.m, p.n), dtype=dt)
+        self.codes = np.empty((p.m, p.n), dtype=np.int16)
+        self.record_targets = p.record_targets
+        self.T = np.empty((p.m, p.n), dtype=dt) if p.record_targets else self.dummy
         q = p.quantizer
         s, z = q.tables(np, "cpu", dt)
         self.s = np.ascontiguousarray(s)
@@ -103,117 +97,92 @@ class _Args:
         self.lo, self.hi = dt.type(lo), dt.type(hi)
         self.sym = q.symmetric
 
-    def quant(self):
+    def grid(self):
+        """The scalar grid's arguments: scales, zero points, group size, code range, symmetry."""
         return self.s, self.z, self.gs, self.lo, self.hi, self.sym
 
+    def result(self) -> EngineResult:
+        return EngineResult(values=self.Wq, codes=self.codes,
+                            targets=self.T if self.record_targets else None,
+                            info={"quantizer_calls": 0})
 
-def solve_block(p, ra: int, rb: int, ca: int, cb: int) -> None:
-    """Round tiles ``[ra, rb) x [ca, cb)`` of ``p`` with targets ``W + F + (feedback inside
-    the block)``; writes ``p.Wq``, ``p.codes`` (and ``p.T``); ``p.F`` is read, not changed."""
+
+def op_table(plan: RecursionPlan):
+    """The recursion plan as the op table of ``run_plan``: rows ``[op, r0, r_, r1, c0, c_,
+    c1, scratch offset]`` (elements; op ``OP_LEAF`` or the ``OP_*`` of the update kind, defined
+    with the kernel), in the plan's depth-first order; returns ``(table, scratch size)``.
+    Scratch: one region per recursion level, so that a quadrant node keeps
+    ``X = E_D A_I[C2, C1]`` while its B and C are solved."""
     K = _kernels()
-    g = _Args(p)
-    R0, R1, C0, C1 = p.rows[ra], p.rows[rb], p.cols[ca], p.cols[cb]
-    useF = p.F is not None
-    F = p.F if useF else g.dummy
-    if g.AO is None:
-        base = K.base_one_sided_par if (R1 - R0) * (C1 - C0) ** 2 >= 2 * K.PAR_MIN_WORK else \
-            K.base_one_sided
-        base(g.W, F, useF, g.AI, p.Wq, p.codes, g.T, g.useT, g.dummy, False,
-             R0, R1, C0, C1, p.tx, p.ty, *g.quant())
-    else:
-        K.base_two_sided(g.W, F, useF, g.AO, g.AI, p.Wq, p.codes, g.T, g.useT, g.dummy, False,
-                         R0, R1, C0, C1, p.tx, p.ty, *g.quant())
-
-
-def plan(p, base: int):
-    """The recursion of SPEC §4 (as ``bakron.solvers.recursive``) as an op table.
-
-    Rows ``[op, r0, r_, r1, c0, c_, c1, buffer offset]`` in elements; returns
-    ``(ops, scratch size)``. Scratch: one region per recursion level, so that a quadrant node
-    keeps ``X = E_D A_I[C2, C1]`` while its B and C are solved.
-    """
-    R, C = p.rows, p.cols
-    two = p.A_O is not None
-    ops: list[list[int]] = []
+    code = {AFTER_D: K.OP_AFTER_D, AFTER_BC: K.OP_AFTER_BC, AFTER_RIGHT: K.OP_AFTER_RIGHT,
+            AFTER_BOTTOM: K.OP_AFTER_BOTTOM}
+    R, C = plan.rows, plan.cols
+    rows: list[list[int]] = []
+    levels: list[int] = []
     sizes: dict[int, int] = {}
-
-    def need(level, *sz):
-        sizes[level] = max(sizes.get(level, 0), *sz)
-
-    def rec(ra, rb, ca, cb, lev):
-        split_r = two and rb - ra > base
-        split_c = cb - ca > base
-        if not (split_r or split_c):
-            ops.append([0, R[ra], 0, R[rb], C[ca], 0, C[cb], -1])
-            return
-        if split_r and split_c:
-            rm, cm = (ra + rb) // 2, (ca + cb) // 2
-            r0, r_, r1, c0, c_, c1 = R[ra], R[rm], R[rb], C[ca], C[cm], C[cb]
-            need(lev, (r1 - r_) * (c1 - c_), (r1 - r_) * (c_ - c0), (r_ - r0) * (c_ - c0))
-            rec(rm, rb, cm, cb, lev + 1)
-            ops.append([1, r0, r_, r1, c0, c_, c1, lev])
-            rec(ra, rm, cm, cb, lev + 1)
-            rec(rm, rb, ca, cm, lev + 1)
-            ops.append([2, r0, r_, r1, c0, c_, c1, lev])
-            rec(ra, rm, ca, cm, lev + 1)
-        elif split_c:
-            cm = (ca + cb) // 2
-            r0, r1, c0, c_, c1 = R[ra], R[rb], C[ca], C[cm], C[cb]
-            if two:
-                need(lev, (r1 - r0) * (c_ - c0))
-            rec(ra, rb, cm, cb, lev + 1)
-            ops.append([3, r0, 0, r1, c0, c_, c1, lev])
-            rec(ra, rb, ca, cm, lev + 1)
+    for op in plan.sequence:
+        if isinstance(op, Block):
+            rows.append([K.OP_LEAF, R[op.ra], 0, R[op.rb], C[op.ca], 0, C[op.cb], 0])
+            levels.append(-1)
+            continue
+        r0, r_, r1 = op.rows
+        c0, c_, c1 = op.cols
+        if op.kind in (AFTER_D, AFTER_BC):
+            need = ((r1 - r_) * (c1 - c_), (r1 - r_) * (c_ - c0), (r_ - r0) * (c_ - c0))
+        elif op.kind == AFTER_RIGHT:
+            need = ((r1 - r0) * (c_ - c0),) if plan.two_sided else (0,)
         else:
-            rm = (ra + rb) // 2
-            r0, r_, r1, c0, c1 = R[ra], R[rm], R[rb], C[ca], C[cb]
-            need(lev, (r1 - r_) * (c1 - c0))
-            rec(rm, rb, ca, cb, lev + 1)
-            ops.append([4, r0, r_, r1, c0, 0, c1, lev])
-            rec(ra, rm, ca, cb, lev + 1)
-
-    rec(0, p.M, 0, p.N, 0)
+            need = ((r1 - r_) * (c1 - c0),)
+        sizes[op.level] = max(sizes.get(op.level, 0), *need)
+        rows.append([code[op.kind], r0, r_, r1, c0, c_, c1, 0])
+        levels.append(op.level)
     offset, total = {}, 0
     for lev in sorted(sizes):
         offset[lev] = total
         total += sizes[lev]
-    table = np.array(ops, dtype=np.int64).reshape(-1, 8)
-    for row in table:
-        row[7] = offset.get(int(row[7]), 0)
+    table = np.array(rows, dtype=np.int64).reshape(-1, 8)
+    for row, lev in zip(table, levels):
+        row[7] = offset.get(lev, 0)
     return table, total
 
 
-def solve(p, method: str, base: int, variant: str) -> bool:
-    """Run ``method`` compiled; ``False`` for methods left to the generic driver (naive)."""
-    if method not in ("recursive", "antidiagonal"):
-        return False
+@functools.lru_cache(maxsize=32)
+def _cached_table(m: int, n: int, tx: int, ty: int, base: int, two: bool):
+    """``op_table`` of the recursion plan, built once per shape (the kernel only reads it)."""
+    from bakron.solvers.schedule import tile_edges
+
+    return op_table(RecursionPlan(tile_edges(m, tx), tile_edges(n, ty), base, two))
+
+
+def run(p, method: str, base: int, variant: str) -> EngineResult:
+    """Run ``method`` (``recursive`` or ``antidiagonal``) compiled; new arrays out."""
+    if not CAPABILITIES.runs(method, variant):
+        raise ValueError(f"method={method!r} is not available on engine {NAME!r}")
     K = _kernels()
-    g = _Args(p)
-    useF = p.F is not None
-    F = np.ascontiguousarray(p.F) if useF else g.dummy
-    two = g.AO is not None
-    AO = g.AO if two else g.dummy
+    io = _Operands(p)                          # inputs, outputs and grid of the kernels
+    two = io.AO is not None
+    AO = io.AO if two else io.dummy
     if method == "antidiagonal":
         if variant == "direct":
-            E = np.empty((p.m, p.n), dtype=g.dtype)     # the errors, kept in full
-            K.antidiagonal_direct(g.W, F, useF, AO, g.AI, two, p.Wq, p.codes, g.T, g.useT, E,
-                                  p.tx, p.ty, *g.quant())
+            E = np.empty((p.m, p.n), dtype=io.dtype)     # the errors, kept in full
+            K.antidiagonal_direct(io.W, io.dummy, False, AO, io.AI, two, io.Wq, io.codes, io.T,
+                                  io.record_targets, E, p.tx, p.ty, *io.grid())
         elif two:
-            Y = np.empty((p.m, p.n), dtype=g.dtype)     # the accumulator G_O^T Ẽ
-            K.antidiagonal_accumulator(g.W, F, useF, AO, g.AI, p.Wq, p.codes, g.T, g.useT, Y,
-                                       p.tx, p.ty, *g.quant())
+            Y = np.empty((p.m, p.n), dtype=io.dtype)     # the accumulator G_O^T Ẽ
+            K.antidiagonal_accumulator(io.W, io.dummy, False, AO, io.AI, io.Wq, io.codes, io.T,
+                                       io.record_targets, Y, p.tx, p.ty, *io.grid())
         else:  # one-sided accumulator: the column sweep, row tiles in parallel if it pays
-            base = K.base_one_sided_par if p.m * p.n * p.n >= 2 * K.PAR_MIN_WORK else \
+            block = K.base_one_sided_par if p.m * p.n * p.n >= 2 * K.PAR_MIN_WORK else \
                 K.base_one_sided
-            base(g.W, F, useF, g.AI, p.Wq, p.codes, g.T, g.useT, g.dummy, False,
-                 0, p.m, 0, p.n, p.tx, p.ty, *g.quant())
-        return True
-    ops, scratch = plan(p, base)
-    FE = np.array(F, copy=True) if useF else np.zeros((p.m, p.n), dtype=g.dtype)
-    buf = np.empty(max(scratch, 1), dtype=g.dtype)
-    K.run_plan(ops, g.W, FE, AO, g.AI, two, p.Wq, p.codes, g.T, g.useT, buf, p.tx, p.ty,
-               PANEL, *g.quant())
-    return True
+            block(io.W, io.dummy, False, io.AI, io.Wq, io.codes, io.T, io.record_targets,
+                  io.dummy, False, 0, p.m, 0, p.n, p.tx, p.ty, *io.grid())
+        return io.result()
+    ops, scratch = _cached_table(p.m, p.n, p.tx, p.ty, int(base), two)
+    FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets F of unsolved blocks, errors E of solved
+    buf = np.empty(max(scratch, 1), dtype=io.dtype)
+    K.run_plan(ops, io.W, FE, AO, io.AI, two, io.Wq, io.codes, io.T, io.record_targets, buf,
+               p.tx, p.ty, PANEL, *io.grid())
+    return io.result()
 
 
 def auto_base(p) -> int:

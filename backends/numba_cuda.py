@@ -8,13 +8,13 @@ imported) the same kernels run on numpy arrays, with the GEMMs emulated on the h
 same pointer/leading-dimension arithmetic, so CI without a GPU exercises the code.
 
 Methods (all give the same Ŵ, exactly in float64; see ``backends/_cuda_kernels.py`` for the
-kernel and SPEC §4 for the schedules):
+kernel and ``bakron/solvers/schedule.py`` for the schedules it executes):
 
 ``antidiagonal`` (variant ``accumulator``)
     the tile-level accumulator wavefront over the whole matrix in ONE cooperative launch
     (``M + N - 1`` grid-synchronised steps). The project's anti-diagonal solver on the GPU:
     the baseline the speed-ups are quoted against. ``variant="direct"`` falls back to the
-    array-API path (a Python loop of cupy calls).
+    array-API engine (``solve(engine="auto")``; not in this engine's table).
 ``wavefront`` (two-level; reached through ``method="auto"``)
     the accumulator anti-diagonal over coarse blocks of ``base`` x ``base`` tiles: per coarse
     diagonal one batched cuBLAS GEMM forms the base targets of all its blocks from the global
@@ -22,7 +22,7 @@ kernel and SPEC §4 for the schedules):
     quantizer fused), one batched GEMM pushes their errors into ``Yg``. ``M_c + N_c - 1``
     coarse steps, each ``2 base - 1`` grid-synchronised tile steps.
 ``recursive``
-    the quadrant recursion of SPEC §4 over blocks of ``base`` tiles, level-synchronous: all
+    the recursion plan over blocks of ``base`` tiles, level-synchronous: all
     independent blocks of a phase (B and C, and everything below them) are solved in one launch;
     the feedback updates are cuBLAS GEMMs on views (no copies).
 
@@ -49,7 +49,14 @@ import os
 
 import numpy as np
 
-__all__ = ["available", "supports", "solve_block", "solve", "warm_up", "DEFAULT_BASE"]
+__all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "warm_up",
+           "DEFAULT_BASE"]
+
+from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
+from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
+                                     RecursionPlan, step_count, step_width, two_level)
+
+from ._cuda_layout import DESC, HAS_F, HAS_T, HAS_YG, TWO_SIDED, ASYM
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 TF32 = os.environ.get("BAKRON_CUDA_TF32", "0") == "1"
@@ -60,19 +67,15 @@ LAUNCH = os.environ.get("BAKRON_CUDA_LAUNCH", "array" if SIM else "ptr")
 #: (the recursion's base, the wavefront's coarse block). Measured: docs/benchmarks/h200.md.
 DEFAULT_BASE = 16
 
-#: methods this engine runs itself
-METHODS = ("antidiagonal", "wavefront", "recursive")
+NAME = "cuda"
+#: cupy arrays (numpy ones under the simulator); the kernel holds one tile per CTA, one
+#: thread per element, so tiles have at most 1024 elements and 64 a side
+CAPABILITIES = Capabilities(methods=("antidiagonal", "wavefront", "recursive"),
+                            namespaces=("numpy",) if SIM else ("cupy",),
+                            quantizers=UNIFORM_FUSED, max_tile=(64, 64, 1024))
 
 _STREAMS: dict = {}
 _MAXGRID: dict = {}
-
-
-class _Flags:
-    """Kernel flag bits and descriptor width, without importing the kernel module."""
-    HAS_F, HAS_YG, TWO_SIDED, ASYM, HAS_T, DESC = 1, 2, 4, 8, 16, 8
-
-
-_K = _Flags
 
 
 def _cuda():
@@ -102,32 +105,13 @@ def available() -> bool:
         return False
 
 
-def _is_uniform(q) -> bool:
-    from bakron.quantizers import UniformQuantizer
-    return isinstance(q, UniformQuantizer) and type(q).quantize is UniformQuantizer.quantize
-
-
-def supports(p) -> bool:
-    """cupy arrays (numpy under the simulator), float32/float64, a UniformQuantizer, tiles of
-    at most 1024 elements."""
-    from bakron import _xp
-    if not _is_uniform(p.quantizer):
-        return False
-    if str(p.dtype) not in ("float32", "float64"):
-        return False
-    if not (p.tx * p.ty <= 1024 and p.tx <= 64 and p.ty <= 64):
-        return False
-    if SIM:
-        return _xp.is_numpy(p.xp)
-    return _xp.is_cupy(p.xp)
-
-
 # ------------------------------------------------------------------------------------------
 # the run context: buffers, stream, kernel launches, GEMMs
 # ------------------------------------------------------------------------------------------
 
-class _Run:
-    """Everything one solve needs on the device."""
+class _DeviceSolve:
+    """Everything one solve needs on the device; ``Wq``, ``codes`` (and ``T``) are the new
+    output arrays of this solve."""
 
     def __init__(self, p):
         self.p = p
@@ -143,11 +127,9 @@ class _Run:
         self.W = mod.ascontiguousarray(p.W)
         self.AI = mod.ascontiguousarray(p.A_I)
         self.AO = mod.ascontiguousarray(p.A_O) if p.two_sided else None
-        if not (p.Wq.flags.c_contiguous):
-            p.Wq = mod.ascontiguousarray(p.Wq)
-        if p.codes is None or p.codes.dtype != mod.int16 or not p.codes.flags.c_contiguous:
-            p.codes = mod.empty((p.m, p.n), dtype=mod.int16)
-        p.codes_seen = True
+        self.Wq = mod.empty((p.m, p.n), dtype=p.W.dtype)
+        self.codes = mod.empty((p.m, p.n), dtype=mod.int16)
+        self.T = mod.empty((p.m, p.n), dtype=p.W.dtype) if p.record_targets else None
         q = p.quantizer
         s_tab, z_tab = q.tables(p.xp, p.device, p.dtype)
         self.S = mod.ascontiguousarray(s_tab)
@@ -156,10 +138,8 @@ class _Run:
         self.z_shape = (1, 1) if self.Z is None else tuple(int(v) for v in self.Z.shape)
         self.gsz = int(q.group_size or 1)
         self.lo, self.hi = q.code_range
-        self.flags0 = ((_K.TWO_SIDED if p.two_sided else 0) | (0 if q.symmetric else _K.ASYM)
-                       | (_K.HAS_T if p.T is not None else 0))
-        if p.T is not None and not p.T.flags.c_contiguous:
-            p.T = mod.ascontiguousarray(p.T)
+        self.flags0 = ((TWO_SIDED if p.two_sided else 0) | (0 if q.symmetric else ASYM)
+                       | (HAS_T if p.record_targets else 0))
         self.kernel, self.nt = _kernels().make_kernel(self.dtname, p.tx, p.ty,
                                              "array" if (SIM or LAUNCH == "array") else "ptr",
                                              0 if SIM else MAXREG)
@@ -212,18 +192,20 @@ class _Run:
         p = self.p
         W = self.W
         if SIM:
-            dsc = desc[first * _K.DESC:]
+            dsc = desc[first * DESC:]
         elif LAUNCH == "ptr":
-            dsc = int(desc.data.ptr) + first * _K.DESC * 8
+            dsc = int(desc.data.ptr) + first * DESC * 8
         else:
-            dsc = self._arg(desc)[first * _K.DESC:]
+            dsc = self._arg(desc)[first * DESC:]
         a = self._arg
-        args = (a(W), a(self.AO if self.AO is not None else W), a(self.AI), a(F), a(self.E),
-                a(Yg if Yg is not None else W), a(p.Wq), a(p.codes), a(self.S),
-                a(self.Z if self.Z is not None else self.S), a(p.T if p.T is not None else W),
-                dsc, self.m, self.n, nblk, nsteps, flags | self.flags0,
-                self.s_shape[0], self.s_shape[1], self.z_shape[0], self.z_shape[1], self.gsz,
-                self.lo, self.hi)
+        problem = (a(W), a(self.AO if self.AO is not None else W), a(self.AI))
+        buffers = (a(F), a(self.E), a(Yg if Yg is not None else W), a(self.Wq), a(self.codes),
+                   a(self.T if self.T is not None else W))
+        schedule = (dsc, self.m, self.n, nblk, nsteps, flags | self.flags0)
+        quant_grid = (a(self.S), a(self.Z if self.Z is not None else self.S),
+                      self.s_shape[0], self.s_shape[1], self.z_shape[0], self.z_shape[1],
+                      self.gsz, self.lo, self.hi)
+        args = _kernel_order(problem, buffers, schedule, quant_grid)
         grid = max(1, min(grid, self.max_grid()))
         self.launches += 1
         if SIM:
@@ -384,6 +366,17 @@ def _strided(buf, off, shape, ld):
     return np.lib.stride_tricks.as_strided(flat[off:], shape=shape, strides=(ld * isz, isz))
 
 
+def _kernel_order(problem, buffers, schedule, quant_grid) -> tuple:
+    """The kernel's positional arguments from its four groups (``_cuda_kernels.make_kernel``:
+    ``W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, m, n, nblk, nsteps, flags, s_rows,
+    s_cols, z_rows, z_cols, gsz, lo, hi``)."""
+    W, AO, AI = problem
+    F, E, Yg, Wq, codes, T = buffers
+    S, Z, s_rows, s_cols, z_rows, z_cols, gsz, lo, hi = quant_grid
+    return (W, AO, AI, F, E, Yg, Wq, codes, S, Z, T) + tuple(schedule) + (
+        s_rows, s_cols, z_rows, z_cols, gsz, lo, hi)
+
+
 def _fallback_to_arrays(exc) -> None:
     global LAUNCH
     import warnings
@@ -403,16 +396,8 @@ def _numba_stream(ptr: int, dev: int):
     return s
 
 
-def _diag_len(Mb: int, Nb: int, two: bool) -> int:
-    return min(Mb, Nb) if two else Mb
-
-
-def _steps(Mb: int, Nb: int, two: bool) -> int:
-    return Mb + Nb - 1 if two else Nb
-
-
 # ------------------------------------------------------------------------------------------
-# the methods
+# the methods: each executes a plan of bakron.solvers.schedule
 # ------------------------------------------------------------------------------------------
 
 _PLANS: "OrderedDict" = None
@@ -437,103 +422,83 @@ def _cached(key, build):
     return hit
 
 
-def _key(r: _Run, method: str, base: int):
+def _key(r: _DeviceSolve, method: str, base: int):
     p = r.p
     return (method, base, p.m, p.n, p.tx, p.ty, p.two_sided, r.dev, SIM)
 
 
-def _antidiagonal(r: _Run) -> None:
-    """The whole matrix as one block: one launch of M + N - 1 grid-synchronised steps."""
+def _antidiagonal(r: _DeviceSolve) -> None:
+    """The whole matrix as one block: one launch of the tile wavefront's steps."""
     p = r.p
     mod = r.mod
     two = p.two_sided
     desc = _cached(_key(r, "antidiagonal", 0), lambda: r.device_table(
-        np.array([0, p.M, 0, p.N, 0, p.n, 0, 0], dtype=np.int64)))
+        np.array([0, p.M, 0, p.N, 0, p.n], dtype=np.int64)))
     r.E = mod.empty((p.m, p.n), dtype=p.W.dtype)
     Y = mod.empty((p.m, p.n), dtype=p.W.dtype)  # the local accumulator G_O^T Ẽ
-    r.launch(desc, 0, 1, _steps(p.M, p.N, two), _diag_len(p.M, p.N, two), 0, Y)
-
-
-def _coarse(p, cs: int):
-    """Coarse partition: blocks of ``cs`` tiles; returns (Mc, Nc, row_tiles, col_tiles)."""
-    Mc = -(-p.M // cs)
-    Nc = -(-p.N // cs)
-    rt = [(A * cs, min(p.M, (A + 1) * cs)) for A in range(Mc)]
-    ct = [(B * cs, min(p.N, (B + 1) * cs)) for B in range(Nc)]
-    return Mc, Nc, rt, ct
+    r.launch(desc, 0, 1, step_count(p.M, p.N, two), step_width(p.M, p.N, two), 0, Y)
 
 
 class _WavePlan:
-    """The two-level schedule: per coarse diagonal, GEMMs before, one launch, GEMMs after."""
+    """The two-level schedule (``schedule.two_level``) for this engine: per coarse step,
+    batched GEMMs that gather the blocks' base targets, one launch, batched GEMMs that
+    scatter their errors."""
 
-    def __init__(self, r: _Run, cs: int):
+    def __init__(self, r: _DeviceSolve, cs: int):
         p = r.p
-        m, n, tx, ty = p.m, p.n, p.tx, p.ty
+        m, n = p.m, p.n
+        R, C = p.rows, p.cols
         two = p.two_sided
-        Mc, Nc, rt, ct = _coarse(p, cs)
-        Sr, Sc = cs * tx, cs * ty
-        er = [(a * tx, min(m, b * tx)) for a, b in rt]     # element rows of row block A
-        ec = [(a * ty, min(n, b * ty)) for a, b in ct]
-        self.fb_size = (min(Mc, Nc) if two else Mc) * Sr * Sc
+        coarse = two_level(p.M, p.N, cs, two)
+        Sr, Sc = cs * p.tx, cs * p.ty
+        self.fb_size = max(len(step.blocks) for step in coarse) * Sr * Sc
         steps, desc_rows, entries, ops = [], [], [], []
 
-        def plan_gemm(ta, tb, M, N, K, beta, A, B, C, ent):
+        def plan_gemm(ta, tb, M, N, K, beta, A, B, C_, ent):
             """Row-major C = op(A) op(B) + beta C per entry; A/B/C: (buffer, ld);
             ent: [(offset A, offset B, offset C)] in elements."""
-            ops.append([ta, tb, M, N, K, 1.0, beta, A, B, C, 3 * len(ops), len(ent)])
+            ops.append([ta, tb, M, N, K, 1.0, beta, A, B, C_, 3 * len(ops), len(ent)])
             entries.append(ent)
             return len(ops) - 1
 
-        if two:
-            diags = [[(A, s - A) for A in range(max(0, s - Nc + 1), min(Mc - 1, s) + 1)]
-                     for s in reversed(range(Mc + Nc - 1))]
-        else:
-            diags = [[(A, B) for A in range(Mc)] for B in reversed(range(Nc))]
-        for si, diag in enumerate(diags):
-            first = si == 0
-            last = si == len(diags) - 1
+        for step in coarse:
             shapes: dict = {}
-            for j, (A, B) in enumerate(diag):
-                hw = (er[A][1] - er[A][0], ec[B][1] - ec[B][0])
-                shapes.setdefault(hw, []).append((j, A, B))
+            for j, b in enumerate(step.blocks):
+                hw = (R[b.rb] - R[b.ra], C[b.cb] - C[b.ca])
+                shapes.setdefault(hw, []).append((j, b))
             before, after = [], []
-            if two and not first:
-                # base targets of every block of the diagonal from Yg (SPEC §4, accumulator):
-                # Fb_j = Yg[rows A, c0:] A_I[c0:, cols B]; A_I is zero above cols B, so one
-                # K range (from the group's leftmost block) serves the whole batch
+            if step.gather and two:
+                # base targets of every block of the step from Yg (the accumulator form):
+                # Fb_j = Yg[rows, c0:] A_I[c0:, cols]; A_I is zero above a block's columns,
+                # so one K range (from the group's leftmost block) serves the whole batch
                 for (h, w), grp in shapes.items():
-                    c0 = ec[min(B for _, _, B in grp)][0]
-                    ent = [(er[A][0] * n + c0, c0 * n + ec[B][0], j * Sr * Sc)
-                           for j, A, B in grp]
+                    c0 = C[min(b.ca for _, b in grp)]
+                    ent = [(R[b.ra] * n + c0, c0 * n + C[b.ca], j * Sr * Sc) for j, b in grp]
                     before.append(plan_gemm(False, False, h, w, n - c0, 0.0,
                                             ("Yg", n), ("AI", n), ("Fb", Sc), ent))
-            elif not two and not first:
-                B = diag[0][1]
-                c1 = ec[B][1]
-                # one-sided: Fb (m x w, ld Sc) = E[:, c1:] A_I[c1:, cols B], all rows at once
-                before.append(plan_gemm(False, False, m, ec[B][1] - ec[B][0], n - c1, 0.0,
-                                        ("E", n), ("AI", n), ("Fb", Sc),
-                                        [(c1, c1 * n + ec[B][0], 0)]))
-            flags = (_K.HAS_F if before else 0) | (_K.HAS_YG if two else 0)
+            elif step.gather:
+                b = step.blocks[0]
+                c0, c1 = C[b.ca], C[b.cb]
+                # one-sided: Fb (m x w, ld Sc) = E[:, c1:] A_I[c1:, cols], all rows at once
+                before.append(plan_gemm(False, False, m, c1 - c0, n - c1, 0.0,
+                                        ("E", n), ("AI", n), ("Fb", Sc), [(c1, c1 * n + c0, 0)]))
+            flags = (HAS_F if before else 0) | (HAS_YG if two else 0)
             start = len(desc_rows)
-            for j, (A, B) in enumerate(diag):
-                f_off = j * Sr * Sc if two else er[A][0] * Sc
-                desc_rows.append([rt[A][0], rt[A][1], ct[B][0], ct[B][1], f_off, Sc, 0, 0])
-            if two and not last:
-                # push the errors: Yg[0:Rg, cols B] += A_O[rows A, 0:Rg]^T E_AB (A_O is zero
-                # right of rows A, so the group's lowest block sets Rg); the kernel has added
-                # the identity part E_AB already
+            for j, b in enumerate(step.blocks):
+                f_off = j * Sr * Sc if two else R[b.ra] * Sc
+                desc_rows.append([b.ra, b.rb, b.ca, b.cb, f_off, Sc])
+            if step.scatter:
+                # push the errors: Yg[0:Rg, cols] += A_O[rows, 0:Rg]^T E_block (A_O is zero
+                # right of a block's rows, so the group's lowest block sets Rg); the kernel
+                # has added the identity part E_block already
                 for (h, w), grp in shapes.items():
-                    Rg = er[max(A for _, A, _ in grp)][1]
-                    ent = [(er[A][0] * m, er[A][0] * n + ec[B][0], ec[B][0])
-                           for _, A, B in grp]
+                    Rg = R[max(b.rb for _, b in grp)]
+                    ent = [(R[b.ra] * m, R[b.ra] * n + C[b.ca], C[b.ca]) for _, b in grp]
                     after.append(plan_gemm(True, False, Rg, w, h, 1.0,
                                            ("AO", m), ("E", n), ("Yg", n), ent))
-            nsteps = max(_steps(rt[A][1] - rt[A][0], ct[B][1] - ct[B][0], two)
-                         for A, B in diag)
-            grid = sum(_diag_len(rt[A][1] - rt[A][0], ct[B][1] - ct[B][0], two)
-                       for A, B in diag)
-            steps.append((start, len(diag), nsteps, grid, flags, before, after))
+            nsteps = max(step_count(*b.shape, two) for b in step.blocks)
+            grid = sum(step_width(*b.shape, two) for b in step.blocks)
+            steps.append((start, len(step.blocks), nsteps, grid, flags, before, after))
         self.steps = steps
         self.ops = ops
         kb = max([len(e) for e in entries] + [1])
@@ -553,7 +518,7 @@ class _WavePlan:
             self.bidx_dev = r.device_table(bidx)
 
 
-def _pointers(r: _Run, plan: _WavePlan, bufs: dict):
+def _pointers(r: _DeviceSolve, plan: _WavePlan, bufs: dict):
     """Device pointer table of the planned batched GEMMs for this solve's buffers (one
     element-wise launch with the base addresses as scalars: no host-to-device copy)."""
     global _PTRK
@@ -571,8 +536,8 @@ def _pointers(r: _Run, plan: _WavePlan, bufs: dict):
     return _PTRK(plan.offs_dev, plan.bidx_dev, r.isz, *base)
 
 
-def _wavefront(r: _Run, cs: int) -> None:
-    """Two-level wavefront (SPEC §4): coarse accumulator anti-diagonal, tile wavefront inside."""
+def _wavefront(r: _DeviceSolve, cs: int) -> None:
+    """The two-level wavefront: one launch per coarse step, batched GEMMs around it."""
     p = r.p
     mod = r.mod
     plan = _cached(_key(r, "wavefront", cs), lambda: _WavePlan(r, cs))
@@ -589,146 +554,89 @@ def _wavefront(r: _Run, cs: int) -> None:
             r.gemm_batched(plan.ops[g], ptrs)
 
 
-def _recursive(r: _Run, base: int) -> None:
-    """The quadrant recursion of SPEC §4, level-synchronous over independent blocks."""
+def _recursive(r: _DeviceSolve, base: int) -> None:
+    """The recursion plan level by level: all the leaves of a phase in one launch, the
+    updates between them as cuBLAS GEMMs on views (no copies)."""
     p = r.p
     mod = r.mod
-    m, n = p.m, p.n
+    n = p.n
     R, C = p.rows, p.cols
     two = p.two_sided
-    r.E = E = mod.empty((m, n), dtype=p.W.dtype)
-    F = mod.zeros((m, n), dtype=p.W.dtype)
-    AO, AI = r.AO, r.AI
-    g = r.gemm_view
-
-    # the schedule (leaves of every phase, updates between) is planned once per shape
-    def kind(nd):
-        ra, rb, ca, cb = nd
-        sr = two and rb - ra > base
-        sc = cb - ca > base
-        return "quad" if (sr and sc) else "col" if sc else "row" if sr else "leaf"
-
-    def children(nd):
-        ra, rb, ca, cb = nd
-        k = kind(nd)
-        rm, cm = (ra + rb) // 2, (ca + cb) // 2
-        if k == "quad":
-            return [[(rm, rb, cm, cb)], [(ra, rm, cm, cb), (rm, rb, ca, cm)], [(ra, rm, ca, cm)]]
-        if k == "col":
-            return [[(ra, rb, cm, cb)], [(ra, rb, ca, cm)]]
-        if k == "row":
-            return [[(rm, rb, ca, cb)], [(ra, rm, ca, cb)]]
-        return [[nd]]
-
-    program = []   # ("leaves", [nodes]) or ("update", node, phase)
-
-    def walk(nodes):
-        if all(kind(nd) == "leaf" for nd in nodes):
-            program.append(("leaves", nodes))
-            return
-        ch = [children(nd) for nd in nodes]
-        for ph in range(3):
-            sub = [c for cl, nd in zip(ch, nodes) for c in (cl[ph] if ph < len(cl) else [])]
-            if sub:
-                walk(sub)
-            for cl, nd in zip(ch, nodes):
-                if ph < len(cl) - 1 and kind(nd) != "leaf":
-                    program.append(("update", nd, ph))
+    r.E = E = mod.empty((p.m, n), dtype=p.W.dtype)
+    F = mod.zeros((p.m, n), dtype=p.W.dtype)
 
     def build():
-        walk([(0, p.M, 0, p.N)])
-        desc_rows = []
-        launches = []
-        for op in program:
-            if op[0] == "leaves":
-                start = len(desc_rows)
-                for ra, rb, ca, cb in op[1]:
-                    desc_rows.append([ra, rb, ca, cb, R[ra] * n + C[ca], n, 0, 0])
-                nsteps = max(_steps(rb - ra, cb - ca, two) for ra, rb, ca, cb in op[1])
-                grid = sum(_diag_len(rb - ra, cb - ca, two) for ra, rb, ca, cb in op[1])
-                launches.append((start, len(op[1]), nsteps, grid))
-        return (program, launches,
-                r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1)))
+        plan = RecursionPlan(R, C, base, two)
+        desc_rows, program = [], []
+        for kind, what in plan.phases:
+            if kind == "update":
+                program.append((kind, what))
+                continue
+            start = len(desc_rows)
+            for b in what:
+                desc_rows.append([b.ra, b.rb, b.ca, b.cb, R[b.ra] * n + C[b.ca], n])
+            program.append((kind, (start, len(what),
+                                   max(step_count(*b.shape, two) for b in what),
+                                   sum(step_width(*b.shape, two) for b in what))))
+        return program, r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1))
 
-    program, launches, desc = _cached(_key(r, "recursive", base), build)
-
-    def update(nd, ph):
-        ra, rb, ca, cb = nd
-        k = kind(nd)
-        rm, cm = (ra + rb) // 2, (ca + cb) // 2
-        r0, r_, r1 = R[ra], R[rm], R[rb]
-        c0, c_, c1 = C[ca], C[cm], C[cb]
-        if k == "quad" and ph == 0:                       # after D
-            ED = E[r_:r1, c_:c1]
-            X = mod.empty((r1 - r_, c1 - c_), dtype=E.dtype)
-            g(X, ED, AI[c_:c1, c_:c1], beta=0.0)
-            X += ED                                       # E_D G_I[C2,C2]
-            g(F[r0:r_, c_:c1], AO[r_:r1, r0:r_], X, ta=True)   # -> B
-            Z = mod.empty((r1 - r_, c_ - c0), dtype=E.dtype)
-            g(Z, ED, AI[c_:c1, c0:c_], beta=0.0)          # E_D A_I[C2,C1]
-            FC = F[r_:r1, c0:c_]
-            FC += Z
-            g(FC, AO[r_:r1, r_:r1], Z, ta=True)            # -> C
-            r.keep[nd] = Z
-        elif k == "quad" and ph == 1:                     # after B and C
-            EB = E[r0:r_, c_:c1]
-            EC = E[r_:r1, c0:c_]
-            FA = F[r0:r_, c0:c_]
-            U = mod.empty((r_ - r0, c_ - c0), dtype=E.dtype)
-            g(U, EB, AI[c_:c1, c0:c_], beta=0.0)          # E_B A_I[C2,C1]
-            FA += U
-            g(FA, AO[r0:r_, r0:r_], U, ta=True)
-            V = r.keep.pop(nd)                            # E_D A_I[C2,C1]
-            V += EC
-            g(V, EC, AI[c0:c_, c0:c_])                    # + E_C G_I[C1,C1]
-            g(FA, AO[r_:r1, r0:r_], V, ta=True)
-        elif k == "col":
-            Er = E[r0:r1, c_:c1]
-            Z = mod.empty((r1 - r0, c_ - c0), dtype=E.dtype)
-            g(Z, Er, AI[c_:c1, c0:c_], beta=0.0)
-            FL = F[r0:r1, c0:c_]
-            FL += Z
-            if two:
-                g(FL, AO[r0:r1, r0:r1], Z, ta=True)
-        elif k == "row":
-            Eb = E[r_:r1, c0:c1]
-            X = mod.empty((r1 - r_, c1 - c0), dtype=E.dtype)
-            g(X, Eb, AI[c0:c1, c0:c1], beta=0.0)
-            X += Eb
-            g(F[r0:r_, c0:c1], AO[r_:r1, r0:r_], X, ta=True)
-
-    r.keep = {}
-    li = 0
-    for op in program:
-        if op[0] == "leaves":
-            start, k, nsteps, grid = launches[li]
-            li += 1
-            r.launch(desc, start, k, nsteps, grid, _K.HAS_F, F)
+    program, desc = _cached(_key(r, "recursive", base), build)
+    kept: dict = {}  # after_D's X per quadrant node, until its after_BC
+    for kind, what in program:
+        if kind == "leaves":
+            start, k, nsteps, grid = what
+            r.launch(desc, start, k, nsteps, grid, HAS_F, F)
         else:
-            update(op[1], op[2])
+            _update(r, what, E, F, kept)
 
 
-def solve_block(p, ra: int, rb: int, ca: int, cb: int) -> None:
-    """Base case for the generic driver: one block, with the feedback ``p.F`` (if any)."""
-    r = _Run(p)
+def _update(r: _DeviceSolve, u, E, F, kept: dict) -> None:
+    """One update of the recursion plan (``schedule.Update`` says what each kind adds)."""
     mod = r.mod
-    E = getattr(p, "_cuda_E", None)
-    if E is None:
-        E = p._cuda_E = mod.empty((p.m, p.n), dtype=p.W.dtype)
-    r.E = E
-    R0, R1, C0, C1 = p.rows[ra], p.rows[rb], p.cols[ca], p.cols[cb]
-    if p.F is not None:
-        Y = mod.ascontiguousarray(p.F[R0:R1, C0:C1]).copy()
-        flags = _K.HAS_F
-    else:
-        Y = mod.empty((R1 - R0, C1 - C0), dtype=p.W.dtype)
-        flags = 0
-    desc = _cached(_key(r, "block", (ra, rb, ca, cb)), lambda: r.device_table(
-        np.array([ra, rb, ca, cb, 0, C1 - C0, 0, 0], dtype=np.int64)))
-    two = p.two_sided
-    r.launch(desc, 0, 1, _steps(rb - ra, cb - ca, two), _diag_len(rb - ra, cb - ca, two),
-             flags, Y)
-    p.quantizer_calls += 1
+    AO, AI = r.AO, r.AI
+    gemm = r.gemm_view
+    r0, r_, r1 = u.rows
+    c0, c_, c1 = u.cols
+    if u.kind == AFTER_D:
+        ED = E[r_:r1, c_:c1]
+        X = mod.empty((r1 - r_, c1 - c_), dtype=E.dtype)
+        gemm(X, ED, AI[c_:c1, c_:c1], beta=0.0)
+        X += ED                                       # E_D G_I[C2,C2]
+        gemm(F[r0:r_, c_:c1], AO[r_:r1, r0:r_], X, ta=True)   # -> B
+        Z = mod.empty((r1 - r_, c_ - c0), dtype=E.dtype)
+        gemm(Z, ED, AI[c_:c1, c0:c_], beta=0.0)          # E_D A_I[C2,C1]
+        FC = F[r_:r1, c0:c_]
+        FC += Z
+        gemm(FC, AO[r_:r1, r_:r1], Z, ta=True)            # -> C
+        kept[u.block] = Z
+    elif u.kind == AFTER_BC:
+        EB = E[r0:r_, c_:c1]
+        EC = E[r_:r1, c0:c_]
+        FA = F[r0:r_, c0:c_]
+        U = mod.empty((r_ - r0, c_ - c0), dtype=E.dtype)
+        gemm(U, EB, AI[c_:c1, c0:c_], beta=0.0)          # E_B A_I[C2,C1]
+        FA += U
+        gemm(FA, AO[r0:r_, r0:r_], U, ta=True)
+        V = kept.pop(u.block)                         # E_D A_I[C2,C1]
+        V += EC
+        gemm(V, EC, AI[c0:c_, c0:c_])                    # + E_C G_I[C1,C1]
+        gemm(FA, AO[r_:r1, r0:r_], V, ta=True)
+    elif u.kind == AFTER_RIGHT:
+        Er = E[r0:r1, c_:c1]
+        Z = mod.empty((r1 - r0, c_ - c0), dtype=E.dtype)
+        gemm(Z, Er, AI[c_:c1, c0:c_], beta=0.0)
+        FL = F[r0:r1, c0:c_]
+        FL += Z
+        if r.p.two_sided:
+            gemm(FL, AO[r0:r1, r0:r1], Z, ta=True)
+    elif u.kind == AFTER_BOTTOM:
+        Eb = E[r_:r1, c0:c1]
+        X = mod.empty((r1 - r_, c1 - c0), dtype=E.dtype)
+        gemm(X, Eb, AI[c0:c1, c0:c1], beta=0.0)
+        X += Eb
+        gemm(F[r0:r_, c0:c1], AO[r_:r1, r0:r_], X, ta=True)
+    else:  # pragma: no cover - the plan makes only these
+        raise AssertionError(f"unknown update {u.kind!r}")
 
 
 def auto_base(p) -> int:
@@ -736,21 +644,19 @@ def auto_base(p) -> int:
     return DEFAULT_BASE
 
 
-def solve(p, method: str, base: int, variant: str) -> bool:
-    """Run ``method`` on the GPU; ``False`` hands it back to the generic driver."""
-    if method not in METHODS:
-        return False
-    if method == "antidiagonal" and variant == "direct":
-        return False
-    r = _Run(p)
+def run(p, method: str, base: int, variant: str) -> EngineResult:
+    """Run ``method`` on the GPU; new arrays out (``info``: kernel launches and GEMM calls)."""
+    if not CAPABILITIES.runs(method, variant):
+        raise ValueError(f"method={method!r} is not available on engine {NAME!r}")
+    r = _DeviceSolve(p)
     if method == "antidiagonal":
         _antidiagonal(r)
     elif method == "wavefront":
         _wavefront(r, max(1, int(base)))
     else:
         _recursive(r, max(1, int(base)))
-    p.quantizer_calls += r.launches
-    return True
+    return EngineResult(values=r.Wq, codes=r.codes, targets=r.T,
+                        info={"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms})
 
 
 def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:
@@ -763,42 +669,9 @@ def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:
 
 def auto_method(p, base: int) -> str:
     """``method="auto"`` on the GPU, from the measurements in docs/benchmarks/h200.md: the
-    two-level wavefront is the fastest schedule at every measured size (1024² to 11008×4096,
-    1.3-2.7x faster than the quadrant recursion, 1.5-7.5x faster than the single-launch
-    anti-diagonal), because on the GPU the number of dependent grid steps decides."""
+    two-level wavefront is the fastest schedule at every measured size, faster than the
+    quadrant recursion and the single-launch anti-diagonal, because on the GPU the number of
+    dependent grid steps decides."""
     if p.M * p.N <= 4:
         return "antidiagonal"
     return "wavefront"
-
-
-def run(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "wavefront",
-        base: int | None = None, return_targets: bool = False):
-    """Solve with this engine and a given ``method`` (including ``"wavefront"``, which
-    :func:`bakron.solve` reaches through ``method="auto"``); returns a ``SolveResult``.
-
-    The inputs are validated as :func:`bakron.solve` does; ``seconds`` is measured the same way
-    (device synchronised before and after)."""
-    import time
-
-    from bakron import _xp
-    from bakron.solvers import SolveResult
-    from bakron.solvers._problem import Problem
-    from bakron._validate import check_tile
-
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    xp = _xp.namespace(W, A_out, A_in)
-    tx, ty = check_tile(tile, W.shape[0], W.shape[1])
-    p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
-    if not supports(p):
-        raise ValueError("engine 'cuda' does not support this problem (array type, dtype, "
-                         "quantizer or tile)")
-    b = DEFAULT_BASE if base is None else int(base)
-    _xp.sync(xp)
-    t0 = time.perf_counter()
-    solve(p, method, b, "accumulator")
-    _xp.sync(xp)
-    seconds = time.perf_counter() - t0
-    return SolveResult(values=p.Wq, codes=p.codes, method=method, engine="cuda",
-                       seconds=seconds, tile=(tx, ty), targets=p.T,
-                       info={"base": b, "variant": None, "quantizer_calls": p.quantizer_calls})

@@ -1,10 +1,80 @@
-"""Input checks shared by the public API. Every error names the argument and the problem."""
+"""Input checks shared by the public API. Every error names the argument and the problem.
+
+docs/reliability.md lists the input classes these checks were tried against and the error each
+one gets.
+"""
 from __future__ import annotations
 
+import math
 import numbers
+
+import numpy as np
+
+
+def check_int(value, name: str, *, minimum: int | None = None, what: str | None = None) -> int:
+    """``value`` as a Python int: only integers are accepted (``int`` or a numpy integer
+    scalar); strings, floats (even 8.0) and bools raise ``ValueError`` naming ``name`` (the
+    library's rule for option values: ``ValueError``; ``TypeError`` is for array dtypes)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be {what or 'an integer'}, got {type(value).__name__} "
+                         f"{value!r}")
+    v = int(value)
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be {what or f'>= {minimum}'}, got {v}")
+    return v
+
+
+def check_real_number(value, name: str, *, minimum: float | None = None,
+                      finite: bool = True) -> float:
+    """``value`` as a float: an int or a real float (numpy scalars included); strings, bools,
+    complex numbers and NaN raise ``ValueError`` naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if math.isnan(v) or (finite and math.isinf(v)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return v
+
+
+def check_damp(damp, name: str = "damp") -> float:
+    """Relative damping: a finite real number >= 0."""
+    return check_real_number(damp, name, minimum=0.0)
+
+
+def check_array_kind(x, name: str) -> None:
+    """Refuse array types whose semantics would silently change the result."""
+    if isinstance(x, np.matrix):
+        raise TypeError(f"{name} is a numpy.matrix (whose * and indexing differ from arrays); "
+                        f"pass np.asarray({name})")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array: its masked entries would be used as the "
+                        f"values stored under the mask; fill them first "
+                        f"({name}.filled(...)) and pass a plain array")
+
+
+def check_real_dtype(xp, x, name: str) -> None:
+    """``x`` must hold real numbers: complex dtypes (whose imaginary part a cast would drop)
+    raise ``TypeError``; so do non-numeric dtypes."""
+    dt = x.dtype
+    if xp.isdtype(dt, "complex floating"):
+        raise TypeError(f"{name} has the complex dtype {dt}; bakron works with real matrices "
+                        f"(a cast would silently drop the imaginary part)")
+    if not xp.isdtype(dt, ("real floating", "integral")):
+        raise TypeError(f"{name} must hold real numbers, got dtype {dt}")
+
+
+def native(xp, x):
+    """``x`` with a native byte order (a converted copy for big-endian numpy arrays)."""
+    dt = getattr(x, "dtype", None)
+    if isinstance(dt, np.dtype) and not dt.isnative and isinstance(x, np.ndarray):
+        return x.astype(dt.newbyteorder("="))
+    return x
 
 
 def check_matrix(xp, x, name: str, *, square: bool = False):
+    check_array_kind(x, name)
     if not hasattr(x, "shape") or len(x.shape) != 2:
         shape = getattr(x, "shape", None)
         raise ValueError(f"{name} must be a 2-D array, got shape {shape}")
@@ -49,12 +119,18 @@ def check_factor_shape(H, expected: int, name: str, other_name: str, other_size:
 
 
 def check_tile(tile, m: int, n: int, name: str = "tile") -> tuple[int, int]:
-    if isinstance(tile, numbers.Integral):
-        tile = (int(tile), int(tile))
-    try:
-        tx, ty = (int(t) for t in tile)
-    except Exception:
-        raise ValueError(f"{name} must be an int or a pair (t_x, t_y), got {tile!r}") from None
+    """An int or a pair of ints (numpy integer scalars accepted; strings, floats and bools
+    refused), each >= 1 and no larger than the matrix."""
+    if isinstance(tile, numbers.Integral) and not isinstance(tile, (bool, np.bool_)):
+        tile = (tile, tile)
+    if isinstance(tile, (str, bytes)) or not isinstance(tile, (tuple, list)) or len(tile) != 2:
+        raise ValueError(f"{name} must be an int or a pair (t_x, t_y) of ints, got "
+                        f"{type(tile).__name__} {tile!r}")
+    for t in tile:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"{name} must be an int or a pair (t_x, t_y) of ints, got {tile!r} "
+                            f"(entry {t!r} is a {type(t).__name__})")
+    tx, ty = int(tile[0]), int(tile[1])
     if tx < 1 or ty < 1:
         raise ValueError(f"{name} entries must be >= 1, got {(tx, ty)}")
     if tx > m or ty > n:
@@ -78,3 +154,147 @@ def check_bits_list(bits, name: str = "bits") -> tuple[int, ...]:
     if not bits:
         raise ValueError(f"{name} must name at least one bit width")
     return tuple(check_bits(b, name) for b in bits)
+
+
+def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None) -> None:
+    """Refuse a factor ``A = L - I`` made with a *coarser* block size than ``block``.
+
+    ``recorded`` is the block size a :class:`bakron.Factor` carries: it must be ``block``
+    (or the whole matrix when ``block`` covers it).
+
+    A bare array made with a coarser block passes the strictly-block-lower check (its zero
+    diagonal blocks contain the finer ones) but rounds differently. Its signature: some tile
+    just below the diagonal, ``A[k, k-1]``, lies inside a coarse diagonal block, so it is
+    exactly zero on its live channels (those with a non-zero in their row or column of ``A``;
+    a dead channel's row and column are zero in any factor), while the same rows hold
+    non-zeros further left (the coupling across coarse blocks). A factor made with ``block``
+    carries the coupling of neighbouring blocks in that tile (with fill-in); a block-diagonal
+    Hessian (attention heads) has no coupling further left. Only a Hessian whose neighbouring
+    live blocks are exactly decoupled after elimination while distant ones are not could be
+    refused wrongly.
+    """
+    n = A.shape[0]
+    if recorded is not None and recorded != min(block, n):
+        raise ValueError(f"{name} was prepared with block size {recorded} but the tile needs "
+                         f"{block}; prepare it with prepare_factor(H, {block})")
+    if n <= block:
+        return
+    dev = _device(A)
+    nz = A != 0
+    live = xp.any(nz, axis=1) | xp.any(nz, axis=0)  # a dead channel has a zero row and column
+    # first non-zero column of each row (n where the row is zero)
+    first = xp.where(xp.any(nz, axis=1), xp.argmax(xp.astype(nz, xp.int8), axis=1),
+                     xp.full((n,), n, dtype=xp.int64, device=dev))
+    del nz
+    # the tiles just left of the diagonal, gathered as (n - block, block): row r, column
+    # (r // block - 1) * block + j -- O(n * block) work, no n x n integer temporaries
+    r = xp.arange(block, n, device=dev)
+    j = xp.arange(block, device=dev)
+    start = (r // block - 1) * block
+    cols = start[:, None] + j[None, :]
+    flat = xp.reshape(A, (n * n,))
+    near = xp.reshape(xp.take(flat, xp.reshape(r[:, None] * n + cols, (-1,))), cols.shape)
+    live_cols = xp.reshape(xp.take(live, xp.reshape(cols, (-1,))), cols.shape)
+    elig = xp.take(live, r)[:, None] & live_cols
+    # coupling beyond the neighbouring tile: what a coarse block leaves non-zero
+    further = xp.astype(xp.astype(xp.take(first, r), xp.int64) < start, xp.int64)
+    per_row_elig = xp.sum(xp.astype(elig, xp.int64), axis=1)
+    per_row_nz = xp.sum(xp.astype(elig & (near != 0), xp.int64), axis=1)
+    tiles = -(-(n - block) // block)
+    pad = tiles * block - (n - block)
+    if pad:
+        zeros = xp.zeros((pad,), dtype=xp.int64, device=dev)
+        per_row_elig = xp.concat([per_row_elig, zeros])
+        per_row_nz = xp.concat([per_row_nz, zeros])
+        further = xp.concat([further, zeros])
+    t_elig = xp.sum(xp.reshape(per_row_elig, (tiles, block)), axis=1)
+    t_nz = xp.sum(xp.reshape(per_row_nz, (tiles, block)), axis=1)
+    t_further = xp.sum(xp.reshape(further, (tiles, block)), axis=1)
+    empty = (t_elig > 0) & (t_nz == 0) & (t_further > 0)
+    if bool(xp.any(empty)):
+        k = int(xp.nonzero(empty)[0][0]) + 1
+        raise ValueError(
+            f"{name} looks like a factor made with a block size coarser than the tile "
+            f"({block}): its tile ({k}, {k - 1}) next to the diagonal is exactly zero on live "
+            f"rows and columns while those rows hold non-zeros further left; prepare it with prepare_factor(H, {block}) (the tile's "
+            f"{'t_y' if name.endswith('in') else 't_x'})")
+
+
+def _device(x):
+    from . import _xp
+
+    return _xp.device(x)
+
+
+def factor_array(A):
+    """``(array, recorded block size or None)`` of a :class:`bakron.Factor` or an array."""
+    if hasattr(A, "A") and hasattr(A, "block") and hasattr(A, "D"):
+        return A.A, int(A.block)
+    return A, None
+
+
+def check_quantizer(quantizer, m: int, n: int, dtype, name: str = "quantizer") -> None:
+    """A quantizer instance with a ``quantize`` method whose tables fit an m x n W of
+    ``dtype``."""
+    if isinstance(quantizer, type):
+        raise TypeError(f"{name} is the class {quantizer.__name__}, not an instance; create "
+                        f"one first (e.g. {quantizer.__name__}.fit(W, bits))")
+    if not callable(getattr(quantizer, "quantize", None)):
+        raise TypeError(f"{name} must have a method quantize(targets) -> (values, codes); got "
+                        f"{type(quantizer).__name__}")
+    if hasattr(quantizer, "check_shape"):
+        quantizer.check_shape(m, n)
+    if hasattr(quantizer, "check_dtype"):
+        quantizer.check_dtype(dtype)
+
+
+def check_quantizer_output(quantizer, targets, out, *, full: bool = True):
+    """Check what ``quantizer.quantize`` returned for ``targets`` and return ``(values,
+    codes)``: a pair of arrays with the targets' shape (codes may be ``None``). With ``full``
+    (the solvers do it on the first batch of a solve) also: arrays of the targets' namespace,
+    real float values, all finite."""
+    who = f"{type(quantizer).__name__}.quantize"
+    try:
+        values, codes = out
+    except Exception:
+        raise TypeError(f"{who} must return a pair (values, codes), got "
+                        f"{type(out).__name__}") from None
+    for what, arr in (("values", values), ("codes", codes)):
+        if arr is None and what == "codes":
+            continue
+        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise TypeError(f"{who} returned {what} of type {type(arr).__name__}; it must "
+                            f"return arrays of the targets' type ({type(targets).__name__})")
+        if tuple(arr.shape) != tuple(targets.shape):
+            raise ValueError(f"{who} returned {what} of shape {tuple(arr.shape)} for targets of "
+                             f"shape {tuple(targets.shape)}; {what} must have the targets' shape"
+                             f"{' or be None' if what == 'codes' else ''}")
+    if not full:
+        return values, codes
+    from . import _xp
+
+    for what, arr in (("values", values), ("codes", codes)):
+        if arr is None:
+            continue
+        try:
+            _xp.namespace(arr, targets)
+        except TypeError:
+            raise TypeError(f"{who} returned {what} of type {type(arr).__name__} for targets "
+                            f"of type {type(targets).__name__}; return arrays of the targets' "
+                            f"namespace") from None
+    xp = _xp.namespace(targets)
+    if not xp.isdtype(values.dtype, "real floating"):
+        raise TypeError(f"{who} returned values of dtype {values.dtype}; they must be real "
+                        f"floats (the targets' dtype is {targets.dtype})")
+    if not bool(xp.all(xp.isfinite(values))):
+        raise ValueError(f"{who} returned NaN or Inf values for finite targets; check the "
+                         f"quantizer's scales")
+    return values, codes
+
+
+def check_result_finite(xp, values, quantizer) -> None:
+    """The rounded weights must be finite (a quantizer or an engine produced NaN or Inf)."""
+    if not bool(xp.all(xp.isfinite(values))):
+        raise ValueError(f"the rounding produced NaN or Inf values: the quantizer "
+                         f"{type(quantizer).__name__} returned non-finite values (check its "
+                         f"scales in W's dtype)")

@@ -5,14 +5,17 @@ Exit codes (stable; scripts may rely on them):
 ===  =========================================================================================
 0    success
 1    ``quantize``: at least one layer failed (the others are written; the report says which)
-2    usage or validation error (bad option, missing/invalid input); nothing was written
-3    ``quantize``: the output folder exists and ``--force`` was not given (with
+2    usage or validation error (bad option, missing/invalid/corrupt input, an OUT name the
+     file system cannot hold, a tile larger than a layer); nothing was written
+3    ``quantize``: the output folder exists and ``--force`` was not given, or it exists and is
+     not a bakron output folder (never replaced, whatever ``--force`` says; with
      ``--scheduler``/``--gpus``: another bakron driver holds OUT); nothing was written
 4    a part that the command needs is not available (an optional dependency, a demo model,
-     ``bakron.bench``, a GPU for ``--device gpu``)
-5    ``quantize``: the output could not be written (I/O error such as a full disk); no
-     partial output folder is left
-130  interrupted (Ctrl-C); a ``quantize`` output folder is not left behind
+     ``bakron.bench``, a GPU for ``--device gpu``, ``--engine cuda``, ``--method wavefront``
+     or ``--gpus``); checked before any layer runs, nothing was written
+5    the output could not be written (I/O error such as a full disk or a read-only file
+     system); no partial output folder is left
+130  interrupted (Ctrl-C or SIGTERM); a ``quantize`` output folder is not left behind
 ===  =========================================================================================
 """
 from __future__ import annotations
@@ -24,7 +27,6 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -41,6 +43,9 @@ EXIT_INTERRUPTED = 130
 
 DEFAULT_DEMO_OUT = "bakron-demo"
 REPORT_NAME = "report.json"
+#: layers with at least this many weights get progress lines inside the layer (factor
+#: preparation, solve, proxy errors)
+PROGRESS_INSIDE_LAYER = 1 << 22
 REPORT_FORMAT_VERSION = 1
 
 
@@ -50,6 +55,38 @@ class UsageError(Exception):
 
 class Unavailable(Exception):
     """A part the command needs is missing (exit code 4)."""
+
+
+class WriteFailed(Exception):
+    """The output could not be written (exit code 5)."""
+
+
+def io_check_out(out):
+    """``--out`` as an absolute path, or :class:`UsageError` for a name the file system cannot
+    hold (a NUL byte, a name that is too long)."""
+    from . import io
+
+    try:
+        return io.check_out_name(out)
+    except io.InputError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _check_gpu_needs(args) -> None:
+    """``--engine cuda`` and ``--method wavefront`` run on a GPU: refuse them up front (exit 2
+    with ``--device cpu``, exit 4 when there is no usable GPU)."""
+    from .io import array_module
+
+    need = [f"--{k} {v}" for k, v in (("engine", args.engine), ("method", args.method))
+            if (k, v) in (("engine", "cuda"), ("method", "wavefront"))]
+    if not need:
+        return
+    if args.device == "cpu" and not getattr(args, "gpus", None):
+        raise UsageError(f"{' and '.join(need)} run on a GPU; add --device gpu (or auto)")
+    try:
+        array_module("gpu")
+    except RuntimeError as exc:
+        raise Unavailable(f"{' and '.join(need)} need a GPU: {exc}") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -171,7 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file format of the outputs (default safetensors)")
     q.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
                    help="where to compute (default cpu; auto uses a GPU when cupy sees one)")
-    q.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    q.add_argument("--force", action="store_true", help="replace OUT if it exists and is a "
+                   "bakron output folder (any other non-empty folder is never replaced)")
+    q.add_argument("--metrics", choices=("none", "basic", "full"), default="basic",
+                   help="proxy errors to compute: basic = the layer's loss for the result and "
+                        "RTN (default); full = also the one-sided ones; none = skip them "
+                        "(fastest)")
     q.add_argument("--quiet", action="store_true", help="no progress or table")
     q.add_argument("--scheduler", metavar="ADDRESS", default=None,
                    help="one Dask task per layer on this scheduler (tcp://host:8786; workers "
@@ -209,6 +251,38 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    with _sigterm_as_interrupt():
+        return _run_command(args)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while a command ran (handled like Ctrl-C: exit code 130)."""
+
+
+class _sigterm_as_interrupt:
+    """While a command runs, SIGTERM raises :class:`Terminated`, handled like Ctrl-C: the
+    temporary output is removed and the exit code is 130 (main thread only)."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.old = None
+        if threading.current_thread() is threading.main_thread():
+            def handler(signum, frame):
+                raise Terminated
+            self.old = signal.signal(signal.SIGTERM, handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, self.old)
+        return False
+
+
+def _run_command(args) -> int:
     try:
         return args.func(args)
     except UsageError as exc:
@@ -217,9 +291,18 @@ def main(argv=None) -> int:
     except Unavailable as exc:
         _err(f"bakron {args.command}: {exc}")
         return EXIT_UNAVAILABLE
-    except KeyboardInterrupt:
-        _err(f"bakron {args.command}: interrupted")
+    except WriteFailed as exc:
+        _err(f"bakron {args.command}: {exc}")
+        return EXIT_WRITE_FAILED
+    except (KeyboardInterrupt, Terminated) as exc:
+        _err(f"bakron {args.command}: "
+             f"{'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}")
         return EXIT_INTERRUPTED
+    except OSError as exc:  # the file system refused (permissions, read-only, ...): one line
+        where = f" ({exc.filename})" if exc.filename else ""
+        _err(f"bakron {args.command}: I/O error: {exc.strerror or exc}{where}; nothing was "
+             f"written")
+        return EXIT_WRITE_FAILED
 
 
 # -- bench ---------------------------------------------------------------------------------
@@ -265,10 +348,20 @@ def _cmd_demo(args) -> int:
                               f"({modname} is missing); try --model mlp") from None
         raise Unavailable(f"the {args.model!r} demo needs {exc.name!r}, which is not "
                           f"installed: pip install 'bakron[demo]'") from None
+    out = io_check_out(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder")
     t0 = time.perf_counter()
     try:
         result = mod.run(args.out, device=args.device, bits=tuple(args.bits), quick=args.quick,
                          progress=not args.quiet)
+    except OSError as exc:
+        if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ == "URLError":
+            raise Unavailable(f"the {args.model!r} demo's model could not be fetched "
+                              f"({exc})") from None
+        raise WriteFailed(f"could not write the output in {out} "
+                          f"({exc.strerror or exc}{': ' + exc.filename if exc.filename else ''})"
+                          ) from None
     except ImportError as exc:  # an optional dependency imported inside the run
         raise Unavailable(f"the {args.model!r} demo needs a package that is not installed "
                           f"({exc}); pip install 'bakron[demo]'") from None
@@ -310,39 +403,23 @@ def _check_options(args) -> None:
         args.group_size = 128
 
 
-def _quantizer_tables(q, dtype):
-    """(scale table, zero table or None) as 2-D numpy arrays (see :func:`bakron.io.dequantize`)."""
-    s, z = q.tables(np, "cpu", np.dtype(dtype))
-    s = np.array(s, dtype=dtype).reshape(s.shape[0], s.shape[1])
-    if z is not None:
-        z = np.rint(np.asarray(z, dtype=np.float64)).astype(np.uint8)
-    return s, z
-
-
 def _quantize_one(args, xp, tensors, info) -> tuple[dict, dict]:
-    """Quantize one layer: (arrays to write, report entry)."""
-    from . import _xp, proxy_error, quantize_layer
+    """Quantize one layer through the pipeline shared with the Dask runner: (arrays to
+    write, report entry)."""
+    from ._lib.pipeline import quantize_arrays
 
     t0 = time.perf_counter()
-    W = xp.asarray(tensors["W"])
-    H_in = xp.asarray(tensors["H_in"])
-    H_out = None if "H_out" not in tensors else xp.asarray(tensors["H_out"])
-    res = quantize_layer(W, H_in, None if args.one_sided else H_out, bits=args.bits,
-                         tile=args.tile, method=args.method, engine=args.engine, damp=args.damp,
-                         symmetric=not args.asym, granularity=args.scale,
-                         group_size=args.group_size, scale_method=args.scale_method)
-    W_hat = _xp.to_numpy(res.values)
-    codes = _xp.to_numpy(res.codes)
-    entry = res.summary()
-    if args.one_sided and H_out is not None:  # judge the one-sided result on both sides too
-        entry["proxy_error"] = proxy_error(W, res.values, H_in, H_out)
-        entry["rtn_proxy_error"] = proxy_error(W, res.rtn_values, H_in, H_out)
-    entry["two_sided"] = H_out is not None and not args.one_sided
-    scale, zero = _quantizer_tables(res.quantizer, W_hat.dtype)
-    codes = codes.astype(np.int8 if not args.asym else np.uint8)
-    arrays = {"codes": codes, "scale": scale, "W_hat": W_hat}
-    if zero is not None:
-        arrays["zero_point"] = zero
+    settings = {"bits": args.bits, "tile": args.tile, "method": args.method,
+                "engine": args.engine, "damp": args.damp, "symmetric": not args.asym,
+                "granularity": args.scale, "group_size": args.group_size,
+                "scale_method": args.scale_method}
+    m, n = info.shape
+    big = m * n >= PROGRESS_INSIDE_LAYER and not args.quiet
+    say = (lambda msg: _err(f"    {msg} ...")) if big else None
+    arrays, entry, _ = quantize_arrays(tensors["W"], tensors["H_in"], tensors.get("H_out"),
+                                       settings, xp=xp, one_sided=args.one_sided,
+                                       metrics=args.metrics, progress=say)
+    entry["input_dtype"] = info.dtype
     entry["seconds_total"] = time.perf_counter() - t0
     return arrays, entry
 
@@ -350,8 +427,6 @@ def _quantize_one(args, xp, tensors, info) -> tuple[dict, dict]:
 def _cmd_quantize_distributed(args) -> int:
     from .distributed import quantize_folder
 
-    if args.format != "safetensors":
-        raise UsageError("--scheduler/--gpus write safetensors layer files; drop --format npz")
     if args.force:
         raise UsageError("--scheduler/--gpus resume an existing OUT instead of replacing it; "
                          "delete OUT yourself to start over")
@@ -359,7 +434,7 @@ def _cmd_quantize_distributed(args) -> int:
         args.input, args.out, scheduler=args.scheduler, gpus=args.gpus or 0, quiet=args.quiet,
         bits=args.bits, tile=args.tile, method=args.method, engine=args.engine, damp=args.damp,
         symmetric=not args.asym, granularity=args.scale, group_size=args.group_size,
-        scale_method=args.scale_method, one_sided=args.one_sided,
+        scale_method=args.scale_method, one_sided=args.one_sided, file_format=args.format,
         device="gpu" if args.gpus and args.device == "cpu" else args.device)
 
 
@@ -367,6 +442,8 @@ def _cmd_quantize(args) -> int:
     from . import io
 
     _check_options(args)
+    out = io_check_out(args.out)
+    _check_gpu_needs(args)
     if args.scheduler or args.gpus:
         return _cmd_quantize_distributed(args)
     try:
@@ -374,10 +451,15 @@ def _cmd_quantize(args) -> int:
         io.check_output_path(args.out, [p for _, p in files])
     except io.InputError as exc:
         raise UsageError(str(exc)) from None
-    out = Path(os.path.abspath(args.out))
-    if (out.exists() or out.is_symlink()) and not args.force:
-        _err(f"bakron quantize: {out} already exists; use --force to replace it")
-        return EXIT_OUT_EXISTS
+    if out.exists() or out.is_symlink():
+        if not args.force:
+            _err(f"bakron quantize: {out} already exists; use --force to replace it")
+            return EXIT_OUT_EXISTS
+        if not io.is_bakron_output(out):
+            _err(f"bakron quantize: {out} exists and is not a bakron output folder (no bakron "
+                 f"report.json); it is never replaced, even with --force: remove it yourself "
+                 f"or choose another --out")
+            return EXIT_OUT_EXISTS
     try:
         xp, device = io.array_module(args.device)
     except RuntimeError as exc:
@@ -410,7 +492,7 @@ def _cmd_quantize(args) -> int:
         "options": {"bits": args.bits, "scale": args.scale, "group_size": args.group_size,
                     "symmetric": not args.asym, "scale_method": args.scale_method,
                     "tile": list(args.tile), "method": args.method, "engine": args.engine,
-                    "damp": args.damp, "one_sided": args.one_sided},
+                    "damp": args.damp, "one_sided": args.one_sided, "metrics": args.metrics},
         "layers": [],
     }
     t_start = time.perf_counter()
@@ -428,7 +510,7 @@ def _cmd_quantize(args) -> int:
                 try:
                     tensors, _ = io.read_layer(info.path, info.name)
                     arrays, figures = _quantize_one(args, xp, tensors, info)
-                except (KeyboardInterrupt, MemoryError):
+                except (KeyboardInterrupt, MemoryError, Terminated):
                     raise
                 except Exception as exc:  # the layer fails, the run goes on
                     failed += 1
@@ -447,9 +529,11 @@ def _cmd_quantize(args) -> int:
                 entry.update(status="ok", output=fname, codes_dtype=str(arrays["codes"].dtype),
                              scale_shape=list(arrays["scale"].shape), **figures)
                 report["layers"].append(entry)
-                if not quiet:
+                if not quiet and figures.get("proxy_error") is not None:
                     _err(f"    proxy error {figures['proxy_error']:.4g} (RTN "
                          f"{figures['rtn_proxy_error']:.4g}), {figures['seconds_total']:.2f} s")
+                elif not quiet:
+                    _err(f"    done in {figures['seconds_total']:.2f} s")
             report["summary"] = {"layers": len(infos), "ok": len(infos) - failed,
                                  "failed": failed, "seconds": time.perf_counter() - t_start}
             report["exit_code"] = EXIT_LAYER_FAILED if failed else EXIT_OK
@@ -477,10 +561,12 @@ def _table(report: dict) -> str:
             rows.append((e["name"], shape, "", "FAILED", "", "", "", "", ""))
             continue
         damp = f"{e['damp_in']:.3g}/" + ("-" if e["damp_out"] is None else f"{e['damp_out']:.3g}")
-        rows.append((e["name"], shape, "2" if e["two_sided"] else "1",
-                     f"{e['proxy_error']:.4g}", f"{e['proxy_error_one_sided']:.4g}",
-                     f"{e['rtn_proxy_error']:.4g}", f"{e['rtn_proxy_error_one_sided']:.4g}",
-                     damp, f"{e['seconds_total']:.3f}"))
+
+        def g(key):
+            return "-" if e.get(key) is None else f"{e[key]:.4g}"
+        rows.append((e["name"], shape, "2" if e["two_sided"] else "1", g("proxy_error"),
+                     g("proxy_error_one_sided"), g("rtn_proxy_error"),
+                     g("rtn_proxy_error_one_sided"), damp, f"{e['seconds_total']:.3f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(r, widths))) for r in rows]

@@ -26,7 +26,6 @@ float matrix) so that unpacked exports load too.
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Mapping
 import numpy as np
 
 from . import _safetensors
+from ._lib import packing as _packing
 from ._validate import check_symmetric
 
 __all__ = [
@@ -45,52 +45,31 @@ __all__ = [
 
 FORMAT = "bakron-factors"
 FORMAT_VERSION = "1"
-PACKING = "upper-colmajor"
+PACKING = _packing.PACKING
 
 
 # --------------------------------------------------------------------------------------------
 # packing
 
 
-def _packed_size_to_n(length: int, name: str = "packed factor") -> int:
-    n = (math.isqrt(8 * length + 1) - 1) // 2
-    if n * (n + 1) // 2 != length or length == 0:
-        raise ValueError(f"{name} has length {length}, which is not n(n+1)/2 for any n >= 1: "
-                         f"it is not a packed triangle (a diagonal H_O must be stored as "
-                         f"'hout_diag')")
-    return n
-
-
 def pack_upper(H) -> np.ndarray:
     """Pack a symmetric (n, n) matrix into its upper triangle, column by column.
 
-    Entry ``(r, c)`` with ``r <= c`` goes to index ``c(c+1)/2 + r``. The matrix is symmetrised
-    first (``(H + H.T) / 2``, exact for a symmetric matrix); its dtype is kept.
+    Entry ``(r, c)`` with ``r <= c`` goes to index ``c(c+1)/2 + r`` (:mod:`bakron._lib.packing`).
+    The matrix is symmetrised first (``(H + H.T) / 2``, exact for a symmetric matrix); its
+    dtype is kept.
     """
     H = np.asarray(H)
     if H.ndim != 2 or H.shape[0] != H.shape[1] or H.shape[0] == 0:
         raise ValueError(f"pack_upper needs a non-empty square matrix, got shape {H.shape}")
     if H.dtype.kind != "f":
-        raise TypeError(f"pack_upper needs a float matrix, got dtype {H.dtype}")
-    Hs = (H + H.T) / 2
-    # the lower triangle in C order is (i, j), j <= i, by i then j == upper (j, i) by column
-    return np.ascontiguousarray(Hs[np.tri(H.shape[0], dtype=bool)])
+        raise TypeError(f"pack_upper needs a real float matrix, got dtype {H.dtype}")
+    return np.ascontiguousarray(_packing.pack_upper(np, (H + H.T) / 2))
 
 
 def unpack_upper(v, n: int | None = None) -> np.ndarray:
     """Inverse of :func:`pack_upper`: the full symmetric (n, n) matrix (exact, dtype kept)."""
-    v = np.asarray(v)
-    if v.ndim != 1:
-        raise ValueError(f"a packed triangle is 1-D, got shape {v.shape}")
-    k = _packed_size_to_n(v.shape[0])
-    if n is not None and int(n) != k:
-        raise ValueError(f"packed triangle of length {v.shape[0]} is {k} x {k}, expected "
-                         f"{n} x {n}")
-    L = np.zeros((k, k), dtype=v.dtype)
-    L[np.tri(k, dtype=bool)] = v
-    H = L + L.T
-    np.fill_diagonal(H, np.diagonal(L))
-    return H
+    return _packing.unpack_upper(np, np.asarray(v), n)
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,56 +265,19 @@ def load_factors(path, layer: str | None = None) -> FactorSet:
 def quantize_layer_diag_out(W, H_in, h_out_diag, *, damp: float = 0.01, tile=(16, 16), **kw):
     """:func:`bakron.quantize_layer` for a *diagonal* H_O given as its diagonal (length m).
 
-    A diagonal H_O has a unit block-LDL factor (``A_O = 0``), so the rounding is the one-sided
-    rule and no m x m matrix is built; the two-sided proxy errors are weighted by the diagonal.
-    The rounded weights are the same as ``quantize_layer(W, H_in, diag(h_out_diag))``.
-    ``result.factor_out`` is a :class:`bakron.Factor` whose ``A`` is ``None`` (zero) and whose
-    ``D``/``H`` are the normalised, damped diagonal as a vector.
+    The same as ``quantize_layer(W, H_in, h_out_diag)``: a diagonal H_O has a unit block-LDL
+    factor (``A_O = 0``), so the rounding is the one-sided rule and no m x m matrix is built;
+    the two-sided proxy errors are weighted by the diagonal. The rounded weights are the same
+    as ``quantize_layer(W, H_in, diag(h_out_diag))``. ``result.factor_out`` is a
+    :class:`bakron.Factor` whose ``A`` is ``None`` (zero) and whose ``D``/``H`` are the
+    normalised, damped diagonal as a vector.
     """
-    from . import _xp
-    from .factors import Factor
     from .layer import quantize_layer
 
-    xp = _xp.namespace(W, H_in, h_out_diag)
-    h = h_out_diag
-    if len(h.shape) != 1:
+    if len(getattr(h_out_diag, "shape", ())) != 1:
         raise ValueError(f"h_out_diag must be a vector (the diagonal of H_out), got shape "
-                         f"{tuple(h.shape)}")
-    m = W.shape[0] if len(W.shape) == 2 else None
-    if m is not None and h.shape[0] != m:
-        raise ValueError(f"h_out_diag has length {h.shape[0]} but W has {m} rows")
-    h64 = xp.astype(h, xp.float64)
-    if not bool(xp.all(xp.isfinite(h64))):
-        raise ValueError("h_out_diag contains NaN or Inf entries")
-    if bool(xp.any(h64 < 0)):
-        raise ValueError("h_out_diag has negative entries: H_out is not positive semi-definite")
-    dead_mask = h64 == 0
-    live = int(h64.shape[0]) - int(xp.sum(xp.astype(dead_mask, xp.int64)))
-    if live == 0:
-        raise ValueError("h_out_diag is all zeros")
-    if not (damp >= 0):
-        raise ValueError(f"damp must be >= 0, got {damp!r}")
-    res = quantize_layer(W, H_in, None, damp=damp, tile=tile, **kw)
-    scale = float(xp.sum(h64)) / live
-    Hd = xp.where(dead_mask, xp.ones_like(h64), h64 / scale) + float(damp)
-    tx = res.solve.tile[0]
-    f_out = Factor(A=None, D=Hd, H=Hd, damp=float(damp), scale=scale,
-                   dead=xp.nonzero(dead_mask)[0], tries=1, block=tx)
-    W64 = xp.astype(W, xp.float64)
-    Hi = xp.astype(H_in, xp.float64)
-    Hi = (Hi + xp.matrix_transpose(Hi)) / 2
-
-    def proxy_diag(E):
-        num = float(xp.sum(h64[:, None] * xp.matmul(E, Hi) * E))
-        den = float(xp.sum(h64[:, None] * xp.matmul(W64, Hi) * W64))
-        if den <= 0:
-            raise ValueError("tr(W H_in W^T H_out) is not positive")
-        return num / den
-
-    res.factor_out = f_out
-    res.proxy_error = proxy_diag(W64 - xp.astype(res.values, xp.float64))
-    res.rtn_proxy_error = proxy_diag(W64 - xp.astype(res.rtn_values, xp.float64))
-    return res
+                         f"{tuple(getattr(h_out_diag, 'shape', ()))}")
+    return quantize_layer(W, H_in, h_out_diag, damp=damp, tile=tile, **kw)
 
 
 def quantize_from_factors(W, factors, *, layer: str | None = None, **kwargs):

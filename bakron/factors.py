@@ -5,11 +5,13 @@ triangular) with ``H = L D L^T``. Factorisations always run in float64, on the c
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from . import _xp
-from ._validate import check_finite, check_matrix, check_symmetric
+from ._validate import (check_damp, check_finite, check_int, check_matrix, check_real_dtype,
+                        check_symmetric, native)
 
 __all__ = ["block_ldl", "prepare_factor", "Factor", "NotPositiveDefiniteError"]
 
@@ -75,9 +77,13 @@ def block_ldl(H, block: int):
     ``NotPositiveDefiniteError`` when ``H`` has no finite Cholesky factor.
     """
     xp = _xp.namespace(H)
+    H = native(xp, H)
     check_matrix(xp, H, "H", square=True)
+    check_real_dtype(xp, H, "H")
     block = _check_block(block, H.shape[0])
     H64 = xp.astype(H, xp.float64)
+    check_finite(xp, H64, "H")  # the Cholesky reads one triangle: check the whole matrix
+    check_symmetric(xp, H64, "H")
     C = _cholesky(xp, H64)
     if C is None:
         raise NotPositiveDefiniteError("H is not positive definite (Cholesky failed or is not "
@@ -86,13 +92,7 @@ def block_ldl(H, block: int):
 
 
 def _check_block(block, n: int) -> int:
-    try:
-        b = int(block)
-    except Exception:
-        raise ValueError(f"block must be a positive integer, got {block!r}") from None
-    if b != block or b < 1:
-        raise ValueError(f"block must be a positive integer, got {block!r}")
-    return min(b, n)
+    return min(check_int(block, "block", minimum=1, what="a positive integer"), n)
 
 
 @dataclass
@@ -153,15 +153,23 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
         ``A = L - I``, ``D``, the damped ``H``, the total damping used, and diagnostics.
     """
     xp = _xp.namespace(H)
+    H = native(xp, H)
     check_matrix(xp, H, name, square=True)
+    check_real_dtype(xp, H, name)
     check_finite(xp, H, name)
-    if not (damp >= 0) or damp != damp:
-        raise ValueError(f"damp must be >= 0, got {damp!r}")
-    if int(max_tries) < 1:
-        raise ValueError(f"max_tries must be >= 1, got {max_tries!r}")
+    damp = check_damp(damp)
+    max_tries = check_int(max_tries, "max_tries", minimum=1)
     n = H.shape[0]
     block = _check_block(block, n)
     H64 = xp.astype(H, xp.float64, copy=True)
+    # a matrix with huge (or tiny) entries is first scaled by a power of two that brings its
+    # largest entry near 1: exact, and the mean diagonal of entries near 1e307 cannot overflow
+    big = float(xp.max(xp.abs(H64)))
+    if big == 0.0:
+        raise ValueError(f"{name} is all zeros: there is no input signal to weigh the errors by")
+    p2 = math.frexp(big)[1]
+    if abs(p2) > 64:
+        H64 = H64 * math.ldexp(1.0, -p2)
     if check_symmetry:
         check_symmetric(xp, H64, name)
     H64 = (H64 + H64.T) / 2.0
@@ -178,6 +186,10 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
     if normalize:
         scale = float(xp.sum(diag)) / live  # mean over live channels
         H64 = H64 / scale
+        if abs(p2) > 64:
+            scale = math.ldexp(scale, p2)  # in the caller's units
+    elif abs(p2) > 64:
+        H64 = H64 * math.ldexp(1.0, p2)  # not normalised: back to the caller's units
     if live < n:
         if bool(xp.any(dead_mask & (xp.sum(xp.abs(H64), axis=1) > 0))):
             raise ValueError(f"{name} has zero diagonal entries with non-zero off-diagonal "

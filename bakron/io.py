@@ -33,12 +33,16 @@ from pathlib import Path
 import numpy as np
 
 from . import _safetensors
+from ._lib.errors import InputError, OutputExistsError
+from ._lib.fs import (atomic_write_bytes, atomic_write_json, atomic_write_text,
+                      fsync_path as _fsync_path, umask as _umask)
 
 __all__ = [
     "LAYER_SUFFIXES", "InputError", "OutputExistsError", "LayerInfo", "find_layer_files",
     "read_tensors", "read_layer", "validate_layer", "write_tensors", "dequantize",
     "atomic_output_dir", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
-    "fsync_tree", "check_output_path", "array_module",
+    "fsync_tree", "check_output_path", "array_module", "read_npz", "npz_names",
+    "check_out_name", "is_bakron_output", "clean_stale_tmp",
 ]
 
 LAYER_SUFFIXES = (".npz", ".safetensors")
@@ -46,12 +50,6 @@ FORMATS = ("safetensors", "npz")
 _FLOATS = (np.float16, np.float32, np.float64)
 
 
-class InputError(ValueError):
-    """An input file or folder is missing, unreadable or holds invalid data."""
-
-
-class OutputExistsError(FileExistsError):
-    """The output path exists and overwriting was not allowed."""
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -67,24 +65,7 @@ def read_tensors(path) -> dict[str, np.ndarray]:
         raise InputError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix == ".npz":
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic[:2] != b"PK":  # np.load would try to unpickle anything that is not a zip/npy
-            raise InputError(f"{path}: not a readable .npz file (it is not a zip archive)")
-        try:
-            with np.load(path, allow_pickle=False) as d:
-                out = {}
-                for k in d.files:
-                    v = d[k]
-                    if not isinstance(v, np.ndarray):  # numpy hands back raw bytes then
-                        raise InputError(f"{path}: member {k!r} is not a .npy array")
-                    out[k] = np.array(v)
-                return out
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise InputError(f"{path}: not a readable .npz file ({exc})") from None
-        except ValueError as exc:  # object arrays need pickle, which we never allow
-            raise InputError(f"{path}: cannot be read without pickle ({exc}); store plain "
-                             f"numeric arrays") from None
+        return read_npz(path)
     if suffix == ".safetensors":
         try:
             return _safetensors.load(path)
@@ -98,6 +79,129 @@ def read_tensors(path) -> dict[str, np.ndarray]:
             raise InputError(f"{path}: corrupt safetensors header ({exc})") from None
     raise InputError(f"{path}: unsupported file type {path.suffix!r}; a layer file must end "
                      f"in {' or '.join(LAYER_SUFFIXES)}")
+
+
+#: an npz member that expands to more than this many bytes ...
+NPZ_CHECK_ABOVE = 64 * 2**20
+#: ... is refused when it expands by more than this factor (a zip bomb), unless the environment
+#: variable BAKRON_NPZ_MAX_MEMBER_BYTES allows that many bytes explicitly
+NPZ_MAX_EXPANSION = 100
+
+
+def _npz_member_limit() -> int | None:
+    v = os.environ.get("BAKRON_NPZ_MAX_MEMBER_BYTES")
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise InputError(f"BAKRON_NPZ_MAX_MEMBER_BYTES must be a number of bytes, got {v!r}") \
+            from None
+
+
+def npz_names(path) -> list[str]:
+    """The array names in an ``.npz`` file (``InputError`` for anything that is not one)."""
+    return [n[:-4] if n.endswith(".npy") else n for n in _npz_infos(Path(path))[1]]
+
+
+def _npz_infos(path: Path):
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if magic[:2] != b"PK":  # np.load would try to unpickle anything that is not a zip/npy
+        raise InputError(f"{path}: not a readable .npz file (it is not a zip archive)")
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
+            NotImplementedError) as exc:
+        raise InputError(f"{path}: not a readable .npz file ({exc})") from None
+    return infos, [i.filename for i in infos]
+
+
+def read_npz(path, names=None) -> dict[str, np.ndarray]:
+    """Arrays of an ``.npz`` file (all, or those in ``names``), read with bounded memory.
+
+    Never unpickles. Before a member is decompressed its declared size is checked: a member
+    expanding more than :data:`NPZ_MAX_EXPANSION` times to over :data:`NPZ_CHECK_ABOVE` bytes
+    is refused (a zip bomb), and the ``.npy`` header's shape x dtype must match the member's
+    size, so nothing larger than the member is ever allocated. Every problem raises
+    :class:`InputError` naming the file and the member.
+    """
+    path = Path(path)
+    infos, _ = _npz_infos(path)
+    limit = _npz_member_limit()
+    out = {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in infos:
+                key = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                if names is not None and key not in names:
+                    continue
+                if info.is_dir():
+                    continue
+                size, packed = info.file_size, max(info.compress_size, 1)
+                if limit is not None:
+                    if size > limit:
+                        raise InputError(f"{path}: member {key!r} expands to {size} bytes, more "
+                                         f"than BAKRON_NPZ_MAX_MEMBER_BYTES={limit}")
+                elif size > NPZ_CHECK_ABOVE and size > NPZ_MAX_EXPANSION * packed:
+                    raise InputError(
+                        f"{path}: member {key!r} expands from {packed} to {size} bytes "
+                        f"(x{size // packed}; the limit is x{NPZ_MAX_EXPANSION} above "
+                        f"{NPZ_CHECK_ABOVE} bytes): refused as a possible zip bomb; set "
+                        f"BAKRON_NPZ_MAX_MEMBER_BYTES to allow it")
+                with z.open(info) as f:
+                    out[key] = _read_npy_member(f, size, path, key)
+    except InputError:
+        raise
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError,
+            RuntimeError) as exc:  # RuntimeError: encrypted members
+        raise InputError(f"{path}: not a readable .npz file ({type(exc).__name__}: {exc})") \
+            from None
+    if names is not None:
+        missing = [n for n in names if n not in out]
+        if missing:
+            raise InputError(f"{path}: no array named {missing[0]!r} (arrays: "
+                             f"{sorted(out) or npz_names(path)})")
+    return out
+
+
+def _read_npy_member(f, size: int, path, key: str) -> np.ndarray:
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(f)
+    except ValueError:
+        raise InputError(f"{path}: member {key!r} is not a .npy array") from None
+    try:
+        if version == (1, 0):
+            shape, fortran, dtype = fmt.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = fmt.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except ValueError as exc:
+        raise InputError(f"{path}: member {key!r} has a corrupt .npy header ({exc})") from None
+    if dtype.hasobject:
+        raise InputError(f"{path}: member {key!r} holds Python objects, which cannot be read "
+                         f"without pickle; store plain numeric arrays")
+    count = 1
+    for d in shape:
+        count *= int(d)
+    nbytes = count * dtype.itemsize
+    body = size - f.tell()
+    if body != nbytes:
+        raise InputError(f"{path}: member {key!r} declares shape {tuple(shape)} of {dtype} "
+                         f"({nbytes} bytes) but holds {body} bytes of data (truncated or "
+                         f"corrupt)")
+    data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise InputError(f"{path}: member {key!r} is truncated")
+    arr = np.frombuffer(data, dtype=dtype, count=count)
+    arr = arr.reshape(shape, order="F" if fortran else "C")
+    return np.array(arr, copy=True)
 
 
 def find_layer_files(path) -> list[tuple[str, Path]]:
@@ -198,7 +302,16 @@ def validate_layer(tensors: dict, path, name: str | None = None) -> LayerInfo:
     m, n = W.shape
     _check_factor(path, "H_in", tensors["H_in"], n, "columns (inputs)", "H_out", m)
     has_out = "H_out" in tensors
-    if has_out:
+    if has_out and tensors["H_out"].ndim == 1:  # the diagonal of a diagonal H_out
+        h = tensors["H_out"]
+        if h.shape[0] != m:
+            raise InputError(f"{path}: H_out is a vector of length {h.shape[0]} (a diagonal "
+                             f"H_out) but W has {m} rows")
+        _check_float(path, "H_out", h)
+        _check_finite(path, "H_out", h)
+        if np.any(h < 0) or not np.any(h > 0):
+            raise InputError(f"{path}: H_out (a diagonal) must be >= 0 with a positive entry")
+    elif has_out:
         _check_factor(path, "H_out", tensors["H_out"], m, "rows (outputs)", "H_in", n)
     ignored = sorted(k for k in tensors if k not in ("W", "H_in", "H_out"))
     return LayerInfo(name=name or path.stem, path=path, shape=(m, n), dtype=str(W.dtype),
@@ -212,6 +325,10 @@ def read_layer(path, name: str | None = None) -> tuple[dict, LayerInfo]:
     """
     tensors = read_tensors(path)
     info = validate_layer(tensors, path, name)
+    if Path(path).suffix.lower() == ".safetensors":  # BF16 is read as float32: say what it was
+        entry = _safetensors.read_header(path)[0].get("W") or {}
+        if entry.get("dtype") == "BF16":
+            info.dtype = "bfloat16"
     out = {}
     for k in ("W", "H_in", "H_out"):
         if k in tensors:
@@ -270,20 +387,6 @@ def dequantize(codes, scale, zero_point=None, group_size: int | None = None, dty
     return s * c if zero_point is None else s * (c - expand(zero_point))
 
 
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:  # e.g. directories on platforms that cannot open them
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(root) -> None:
     """Flush every file and folder under ``root`` (and ``root`` itself) to disk."""
     root = Path(root)
@@ -309,6 +412,100 @@ def check_output_path(out, inputs=()) -> Path:
     return out_abs
 
 
+def check_out_name(out, what: str = "--out") -> Path:
+    """The absolute output path, or :class:`InputError` for a name the file system cannot
+    hold: a NUL byte, or a component too long once the temporary suffix is added."""
+    text = os.fspath(out)
+    if "\x00" in str(text):
+        raise InputError(f"{what} {text!r} contains a NUL byte")
+    out = Path(os.path.abspath(text))
+    try:
+        limit = os.pathconf(out.parent if out.parent.exists() else "/", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for part in out.parts:
+        if len(os.fsencode(part)) > limit:
+            raise InputError(f"{what}: the name {part[:40]!r}... is {len(os.fsencode(part))} "
+                             f"bytes long; this file system allows {limit}")
+    if len(os.fsencode(out.name)) + _TMP_EXTRA > limit:
+        raise InputError(f"{what}: the name {out.name[:40]!r}... is too long to be built "
+                         f"atomically (at most {limit - _TMP_EXTRA} bytes here)")
+    return out
+
+
+#: bytes the temporary name ``.NAME.tmp-<pid>-<random>`` adds to NAME
+_TMP_EXTRA = 40
+_TMP_MARKER = ".bakron-tmp.json"
+
+
+def is_bakron_output(out) -> bool:
+    """True for an empty folder or a folder that bakron wrote (it holds bakron's
+    ``report.json`` or a distributed ``manifest.json``): the only folders ``--force``
+    replaces."""
+    out = Path(out)
+    if not out.is_dir() or out.is_symlink():
+        return False
+    names = set(os.listdir(out))
+    if not names:
+        return True
+    for fname, key, want in (("report.json", "tool", "bakron quantize"),
+                             ("manifest.json", "format", "bakron-manifest")):
+        if fname in names:
+            try:
+                with open(out / fname, "rb") as f:
+                    doc = json.loads(f.read(1 << 20))
+            except (OSError, ValueError):
+                continue
+            if isinstance(doc, dict) and doc.get(key) == want:
+                return True
+    return False
+
+
+def clean_stale_tmp(out) -> list[Path]:
+    """Remove ``.NAME.tmp-*`` folders next to ``out`` that an earlier bakron run on this host
+    left behind when it was killed (its process no longer exists). Returns what was removed."""
+    import socket
+
+    out = Path(os.path.abspath(out))
+    removed = []
+    try:
+        cands = [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")
+                 or p.name.startswith(f".{out.name}.old-")]
+    except OSError:
+        return removed
+    for p in cands:
+        try:
+            with open(p / _TMP_MARKER) as f:
+                who = json.load(f)
+        except (OSError, ValueError):
+            continue  # not ours (or not readable): leave it
+        if not isinstance(who, dict) or who.get("host") != socket.gethostname():
+            continue
+        pid = who.get("pid")
+        if not isinstance(pid, int) or pid == os.getpid() or _pid_alive(pid):
+            continue
+        _remove(p)
+        removed.append(p)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def _mark_tmp(tmp: Path) -> None:
+    import socket
+
+    with open(tmp / _TMP_MARKER, "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out, *, force: bool = False):
     """Build the folder ``out`` atomically.
@@ -317,24 +514,38 @@ def atomic_output_dir(out, *, force: bool = False):
     ``.NAME.tmp-*``). When the ``with`` block ends normally, every file in it is flushed to
     disk and the folder is renamed to ``out``; if the block raises (or is interrupted), the
     temporary folder is removed and ``out`` is untouched. An existing ``out`` raises
-    :class:`OutputExistsError` unless ``force=True``, in which case it is replaced only after
-    the new folder is complete (moved aside, then deleted). A process killed outright can
-    leave a ``.NAME.tmp-*`` folder behind, never a partial ``out``.
+    :class:`OutputExistsError` unless ``force=True`` *and* it is an empty folder or one that
+    bakron wrote (:func:`is_bakron_output`); it is then replaced only after the new folder is
+    complete (moved aside, then deleted). A process killed outright can leave a
+    ``.NAME.tmp-*`` folder behind, never a partial ``out``; the next run removes it
+    (:func:`clean_stale_tmp`).
     """
-    out = Path(os.path.abspath(out))
-    if out.exists() or out.is_symlink():
+    out = check_out_name(out)
+
+    def refuse_existing():
+        if not (out.exists() or out.is_symlink()):
+            return
         if not force:
             raise OutputExistsError(f"{out} already exists; use --force to replace it")
+        if not is_bakron_output(out):
+            raise OutputExistsError(f"{out} exists and is not a bakron output folder (no bakron "
+                                    f"report.json or manifest.json); it is never replaced, "
+                                    f"even with --force: remove it yourself or choose another")
+
+    refuse_existing()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    clean_stale_tmp(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; OUT is an ordinary folder
+        _mark_tmp(tmp)
         yield tmp
+        os.unlink(tmp / _TMP_MARKER)
         fsync_tree(tmp)
         if out.exists() or out.is_symlink():
-            if not force:  # appeared while we were working
-                raise OutputExistsError(f"{out} already exists; use --force to replace it")
+            refuse_existing()  # appeared, or changed, while we were working
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            _mark_tmp(old)
             os.rename(out, old / "old")
             os.rename(tmp, out)
             _remove(old)
@@ -346,63 +557,12 @@ def atomic_output_dir(out, *, force: bool = False):
         raise
 
 
-def _umask() -> int:
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-
-
-def atomic_write_bytes(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_path(path.parent, directory=True)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path, text: str) -> None:
-    """:func:`atomic_write_bytes` for UTF-8 text."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path, obj) -> None:
-    """:func:`atomic_write_text` of ``obj`` as indented JSON (NaN written as null)."""
-    atomic_write_text(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        f = float(obj)
-        return f if np.isfinite(f) else None
-    if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 # -- devices ------------------------------------------------------------------------------

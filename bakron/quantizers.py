@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from . import _xp
-from ._validate import check_bits
+from ._validate import check_array_kind, check_bits, check_int
 
 __all__ = ["TileQuantizer", "UniformQuantizer", "rms_step"]
 
@@ -40,7 +40,20 @@ class TileQuantizer(Protocol):
 
 def _as_table(scale, name: str, m: int | None, n: int | None, group_size: int | None):
     """Normalise a scale/zero-point spec to a 2-D numpy table (R, G) with R in {1, m}."""
-    a = np.asarray(_xp.to_numpy(scale) if hasattr(scale, "shape") else scale, dtype=np.float64)
+    if hasattr(scale, "shape") and hasattr(scale, "dtype"):
+        check_array_kind(scale, name)
+        if "complex" in str(scale.dtype):
+            raise TypeError(f"{name} has the complex dtype {scale.dtype}; it must be real")
+        raw = _xp.to_numpy(scale)
+    else:
+        raw = scale
+    if isinstance(raw, (str, bytes)) or np.iscomplexobj(raw):
+        raise TypeError(f"{name} must be a real number or array, got {raw!r}")
+    try:
+        a = np.array(raw, dtype=np.float64)  # a copy: later changes by the caller do not leak in
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number or array, got {type(raw).__name__} "
+                        f"{raw!r}") from None
     if a.ndim == 0:
         return a.reshape(1, 1)
     if a.ndim == 1:
@@ -75,9 +88,8 @@ class UniformQuantizer:
                  group_size: int | None = None):
         self.bits = check_bits(bits)
         self.symmetric = bool(symmetric)
-        if group_size is not None and (int(group_size) != group_size or group_size < 1):
-            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
-        self.group_size = None if group_size is None else int(group_size)
+        self.group_size = None if group_size is None else check_int(group_size, "group_size",
+                                                                     minimum=1)
         self._scale = _as_table(scale, "scale", None, None, self.group_size)
         self._per_group = len(getattr(scale, "shape", np.shape(scale))) == 2
         if not np.all(np.isfinite(self._scale)) or np.any(self._scale <= 0):
@@ -91,8 +103,9 @@ class UniformQuantizer:
             self._zero = _as_table(zp, "zero_point", None, None, self.group_size)
             if not np.all(np.isfinite(self._zero)):
                 raise ValueError("zero_point must be finite")
-        self.scale = scale
-        self.zero_point = zero_point
+        # copies, so that the caller may change its arrays afterwards
+        self.scale = _copy(scale)
+        self.zero_point = _copy(zero_point)
         self._cache: dict = {}
 
     # -- description -------------------------------------------------------------------
@@ -129,6 +142,24 @@ class UniformQuantizer:
                         f"{name} has shape {(r, g)} but W is {m} x {n} with group_size "
                         f"{self.group_size}, so a per-group {name} must have shape "
                         f"({m}, {groups})")
+
+    def check_dtype(self, dtype) -> None:
+        """Raise ``ValueError`` if a scale is 0 or infinite (or a zero point not finite) once
+        cast to ``dtype``, the working dtype of W: valid float64 scales can underflow or
+        overflow in float32."""
+        dt = np.dtype(str(dtype).split(".")[-1]) if not isinstance(dtype, np.dtype) else dtype
+        with np.errstate(over="ignore", under="ignore"):
+            s = self._scale.astype(dt)
+            z = None if self._zero is None else self._zero.astype(dt)
+        bad = ~np.isfinite(s) | (s <= 0)
+        if np.any(bad):
+            i = tuple(int(v) for v in np.argwhere(bad)[0])
+            raise ValueError(f"scale has {int(bad.sum())} entr{'y' if bad.sum() == 1 else 'ies'} "
+                             f"that {'is' if bad.sum() == 1 else 'are'} 0 or infinite in W's "
+                             f"dtype {dt} (e.g. {self._scale[i]:.3g} at table index {i}); use "
+                             f"scales representable in {dt} or compute in float64")
+        if z is not None and not np.all(np.isfinite(z)):
+            raise ValueError(f"zero_point is not finite in W's dtype {dt}")
 
     # -- tables in the caller's namespace ------------------------------------------------
     def tables(self, xp, device, dtype):
@@ -199,8 +230,13 @@ class UniformQuantizer:
         range: ``absmax / (2**(b-1) - 1)`` symmetric, ``(max - min) / (2**b - 1)`` asymmetric.
         """
         bits = check_bits(bits)
+        if group_size is not None:
+            group_size = check_int(group_size, "group_size", minimum=1)
         if method not in ("rms", "minmax"):
             raise ValueError(f"method must be 'rms' or 'minmax', got {method!r}")
+        check_array_kind(W, "W")
+        if "complex" in str(getattr(W, "dtype", "")):
+            raise TypeError(f"W has the complex dtype {W.dtype}; it must be real")
         Wn = np.asarray(_xp.to_numpy(W), dtype=np.float64)
         if Wn.ndim != 2:
             raise ValueError(f"W must be a 2-D array, got shape {Wn.shape}")
@@ -222,6 +258,17 @@ class UniformQuantizer:
             zeros.append(z)
         scale = np.concatenate(scales, axis=1)
         zero = np.concatenate(zeros, axis=1) if not symmetric else None
+        # a scale that underflows in W's own dtype (|W| near that dtype's smallest numbers)
+        # belongs to a row that is zero for that dtype: step 1 rounds it to zero, as for a
+        # zero row
+        wdt = _np_float_dtype(W)
+        if wdt is not None and wdt.itemsize < 8:
+            tiny = float(np.finfo(wdt).tiny)
+            small = scale < tiny
+            if np.any(small):
+                scale = np.where(small, 1.0, scale)
+                if zero is not None:
+                    zero = np.where(small, 2.0 ** (bits - 1), zero)
         if granularity == "tensor":
             scale = float(scale[0, 0])
             zero = None if zero is None else float(zero[0, 0])
@@ -255,3 +302,26 @@ def _fit_block(p, bits, symmetric, method):
         z = np.round(-lo / s)
     z = np.clip(z, 0, 2 ** bits - 1)
     return s, z
+
+
+def _copy(x):
+    """A copy of a scale or zero-point argument (arrays of any namespace; scalars as given)."""
+    if x is None or not hasattr(x, "shape"):
+        return x
+    try:
+        return _xp.namespace(x).asarray(x, copy=True)
+    except Exception:  # not an array-API array: keep a host copy
+        return np.array(x, copy=True)
+
+
+def _np_float_dtype(W):
+    """W's dtype as a numpy float dtype (float16/32/64), else None (bfloat16 counts as
+    float32, its exponent range)."""
+    name = str(getattr(W, "dtype", "float64")).split(".")[-1]
+    if name == "bfloat16":
+        return np.dtype(np.float32)
+    try:
+        dt = np.dtype(name)
+    except TypeError:
+        return None
+    return dt if dt.kind == "f" else None

@@ -65,7 +65,7 @@ def test_quantize_folder_round_trip(layers, tmp_path, capsys, fmt):
     before = _digest(layers)
     out = tmp_path / "out"
     rc, stdout, err = run(["quantize", layers, "--out", out, "--bits", 3, "--tile", 8,
-                           "--format", fmt], capsys)
+                           "--format", fmt, "--metrics", "full"], capsys)
     assert rc == cli.EXIT_OK, err
     assert _digest(layers) == before  # inputs untouched
     assert sorted(p.name for p in out.iterdir()) == sorted(
@@ -253,9 +253,20 @@ def test_no_overwrite_without_force(layers, tmp_path, capsys):
     f.write_text("x")
     rc, _, _ = run(["quantize", layers, "--out", f, "--tile", 8], capsys)
     assert rc == cli.EXIT_OUT_EXISTS and f.read_text() == "x"
+    # --force never replaces a folder that bakron did not write (data loss otherwise)
     rc, _, err = run(["quantize", layers, "--out", out, "--tile", 8, "--force"], capsys)
+    assert rc == cli.EXIT_OUT_EXISTS and "not a bakron output folder" in err
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    rc, _, err = run(["quantize", layers, "--out", f, "--tile", 8, "--force"], capsys)
+    assert rc == cli.EXIT_OUT_EXISTS and f.read_text() == "x"
+    # ... but it replaces bakron's own output
+    mine = tmp_path / "mine"
+    rc, _, err = run(["quantize", layers, "--out", mine, "--tile", 8, "--quiet"], capsys)
     assert rc == 0, err
-    assert not (out / "mine.txt").exists() and (out / "report.json").exists()
+    (mine / "extra.txt").write_text("stale")
+    rc, _, err = run(["quantize", layers, "--out", mine, "--tile", 8, "--force"], capsys)
+    assert rc == 0, err
+    assert not (mine / "extra.txt").exists() and (mine / "report.json").exists()
     assert _leftovers(tmp_path) == []
 
 
@@ -263,9 +274,10 @@ def test_no_overwrite_without_force(layers, tmp_path, capsys):
 def test_interrupted_write_leaves_no_partial_output(layers, tmp_path, capsys, monkeypatch,
                                                    force):
     out = tmp_path / "o"
-    if force:
+    if force:  # an earlier bakron output
         out.mkdir()
         (out / "old.txt").write_text("old")
+        (out / "report.json").write_text('{"tool": "bakron quantize"}')
     calls = []
     real = io.write_tensors
 
@@ -282,7 +294,8 @@ def test_interrupted_write_leaves_no_partial_output(layers, tmp_path, capsys, mo
     assert "No space left on device" in err
     assert len(calls) == 2 and calls[0].exists() is False  # the temporary folder is gone
     if force:
-        assert [p.name for p in out.iterdir()] == ["old.txt"] and "is unchanged" in err
+        assert sorted(p.name for p in out.iterdir()) == ["old.txt", "report.json"]
+        assert "is unchanged" in err
     else:
         assert not out.exists() and "was not created" in err
     assert _leftovers(tmp_path) == []

@@ -49,6 +49,14 @@ def _problem(seed, m, n, tx, ty, two_sided=True, bits=2, symmetric=True, granula
     return W, A_out, f_in.A, q
 
 
+def _cuda(W, A_out, A_in, q, tile, method, base=None, **kw):
+    """A solve on the cuda engine through the public entry point."""
+    r = bakron.solve(W, A_out, A_in, q, tile=tile, method=method, base=base, engine="cuda",
+                     **kw)
+    assert r.engine == "cuda" and r.method == method
+    return r
+
+
 def _ref(W, A_out, A_in, q, tile):
     return bakron.solve(W, A_out, A_in, q, tile=tile, method="antidiagonal",
                         engine="array_api", return_targets=True)
@@ -73,20 +81,29 @@ def test_simulator_suite():
 
 
 @sim_only
-def test_sim_engine_available_and_supports():
-    from bakron import backends
+def test_sim_engine_available_and_capabilities():
+    from bakron.solvers import engines
     from bakron.solvers._problem import Problem
     import array_api_compat.numpy as xnp
-    mod = backends.load("cuda")
-    assert mod is not None and mod.available()
+    mod = engines.load("cuda")
+    assert mod is not None and mod.available() and isinstance(mod, engines.Engine)
+    caps = mod.CAPABILITIES
     W, AO, AI, q = _problem(0, 8, 6, 2, 2)
-    assert mod.supports(Problem(xnp, W, AO, AI, q, (2, 2)))
-    assert not mod.supports(Problem(xnp, W.astype(np.float16), AO, AI, q, (2, 2)))
+    assert caps.refusal(Problem(xnp, W, AO, AI, q, (2, 2))) is None
+    assert "dtype" in caps.refusal(Problem(xnp, W.astype(np.float16), AO, AI, q, (2, 2)))
 
     class Tile:
         def quantize(self, t):
             return t, None
-    assert not mod.supports(Problem(xnp, W, AO, AI, Tile(), (2, 2)))
+    assert "quantizer" in caps.refusal(Problem(xnp, W, AO, AI, Tile(), (2, 2)))
+    big = np.zeros((80, 80))
+    assert "tile" in caps.refusal(Problem(xnp, big, None, big, q, (65, 1)))
+    assert caps.runs("wavefront", "accumulator") and not caps.runs("antidiagonal", "direct")
+    with pytest.raises(ValueError, match="variant='direct' is not available on engine 'cuda'"):
+        bakron.solve(W, AO, AI, q, tile=2, method="antidiagonal", variant="direct",
+                     engine="cuda")
+    r = bakron.solve(W, AO, AI, q, tile=2, method="antidiagonal", variant="direct")
+    assert r.engine != "cuda"  # auto: another engine runs what cuda's table lacks
 
 
 @sim_only
@@ -94,12 +111,12 @@ def test_sim_engine_available_and_supports():
 @pytest.mark.parametrize("method,base", [("antidiagonal", None), ("wavefront", 1),
                                          ("recursive", 2)])
 def test_sim_reference_cases_exact(ref_case, name, method, base):
-    from bakron.backends import numba_cuda as NC
     path = [p for p in REFERENCE_CASES if p.endswith(name + ".npz")][0]
     d = ref_case(path)
     tile = tuple(int(t) for t in d["tile"])
     q = bakron.UniformQuantizer(int(d["bits"]), float(d["scale"]))
-    r = NC.run(d["W"], d["L_out"], d["L_in"], q, tile=tile, method=method, base=base)
+    r = _cuda(d["W"], d["L_out"], d["L_in"], q, tile, method, base)
+    assert r.info["quantizer_calls"] == 0 and r.info["launches"] >= 1
     np.testing.assert_array_equal(r.values, d["hatW"])
     np.testing.assert_array_equal(r.codes.astype(np.float64) * float(d["scale"]), d["hatW"])
 
@@ -123,7 +140,6 @@ def test_sim_solve_entry_point_and_targets():
 @sim_only
 @pytest.mark.parametrize("seed", range(4))
 def test_sim_random_methods_match_cpu(seed):
-    from bakron.backends import numba_cuda as NC
     rng = np.random.default_rng(seed)
     m, n = (int(v) for v in rng.integers(5, 14, 2))
     tx, ty = int(rng.integers(1, 4)), int(rng.integers(1, 4))
@@ -134,31 +150,29 @@ def test_sim_random_methods_match_cpu(seed):
     ref = _ref(W, AO, AI, q, (tx, ty))
     for method, base in (("antidiagonal", None), ("wavefront", 1), ("wavefront", 2),
                          ("recursive", 1), ("recursive", 3)):
-        r = NC.run(W, AO, AI, q, tile=(tx, ty), method=method, base=base)
+        r = _cuda(W, AO, AI, q, (tx, ty), method, base)
         np.testing.assert_array_equal(r.values, ref.values, err_msg=f"{method}/{base}")
         np.testing.assert_array_equal(r.codes, ref.codes, err_msg=f"{method}/{base}")
 
 
 @sim_only
-def test_sim_solve_block_in_generic_recursion():
-    """The engine's base case (the backends contract) inside the generic recursive driver."""
-    import array_api_compat.numpy as xnp
-    from bakron.backends import numba_cuda as NC
-    from bakron.solvers._problem import Problem
-    from bakron.solvers.recursive import solve_recursive
+def test_sim_every_tile_a_leaf_with_offsets():
+    """Base 1: every tile is a leaf of the recursion (each launch solves blocks whose targets
+    come from offsets F alone) and every tile a coarse block of the wavefront; asymmetric
+    grid. Both equal the array-API path."""
     W, AO, AI, q = _problem(7, 10, 9, 2, 2, symmetric=False)
     ref = _ref(W, AO, AI, q, (2, 2))
-    p = Problem(xnp, W, AO, AI, q, (2, 2))
-    solve_recursive(p, NC.solve_block, 2)
-    np.testing.assert_array_equal(p.Wq, ref.values)
+    for method in ("recursive", "wavefront"):
+        r = _cuda(W, AO, AI, q, (2, 2), method, 1)
+        np.testing.assert_array_equal(r.values, ref.values, err_msg=method)
+        np.testing.assert_array_equal(r.codes, ref.codes, err_msg=method)
 
 
 @sim_only
 def test_sim_float32_agrees_up_to_near_ties():
-    from bakron.backends import numba_cuda as NC
     W, AO, AI, q = _problem(11, 12, 12, 3, 3)
     W32, AO32, AI32 = (x.astype(np.float32) for x in (W, AO, AI))
-    r = NC.run(W32, AO32, AI32, q, tile=3, method="wavefront", base=2)
+    r = _cuda(W32, AO32, AI32, q, 3, "wavefront", 2)
     ref = bakron.solve(W32, AO32, AI32, q, tile=3, engine="array_api", method="antidiagonal")
     assert r.values.dtype == np.float32
     diff = np.argwhere(r.values != ref.values)
@@ -183,7 +197,6 @@ def _cp():
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
 def test_gpu_reference_cases_exact(ref_case, path, method, base):
     cp = _cp()
-    from bakron.backends import numba_cuda as NC
     d = ref_case(path)
     tile = tuple(int(t) for t in d["tile"])
     q = bakron.UniformQuantizer(int(d["bits"]), float(d["scale"]))
@@ -192,7 +205,7 @@ def test_gpu_reference_cases_exact(ref_case, path, method, base):
         r = bakron.solve(W, AO, AI, q, tile=tile)
         assert r.engine == "cuda"
     else:
-        r = NC.run(W, AO, AI, q, tile=tile, method=method, base=base)
+        r = _cuda(W, AO, AI, q, tile, method, base)
     assert isinstance(r.values, cp.ndarray) and r.values.dtype == cp.float64
     np.testing.assert_array_equal(cp.asnumpy(r.values), d["hatW"])
     np.testing.assert_array_equal(cp.asnumpy(r.codes).astype(np.float64) * float(d["scale"]),
@@ -216,7 +229,6 @@ def _gpu_cases(draw):
 @given(_gpu_cases())
 def test_gpu_methods_match_cpu_float64(c):
     cp = _cp()
-    from bakron.backends import numba_cuda as NC
     W, AO, AI, q = _problem(c["seed"], c["m"], c["n"], c["tx"], c["ty"], two_sided=c["two"],
                             bits=c["bits"], symmetric=c["sym"], granularity=c["gran"],
                             group_size=c["gs"])
@@ -225,8 +237,8 @@ def test_gpu_methods_match_cpu_float64(c):
     AOd = None if AO is None else cp.asarray(AO)
     AId = cp.asarray(AI)
     for method in ("antidiagonal", "wavefront", "recursive"):
-        r = NC.run(Wd, AOd, AId, q, tile=(c["tx"], c["ty"]), method=method, base=c["base"],
-                   return_targets=True)
+        r = _cuda(Wd, AOd, AId, q, (c["tx"], c["ty"]), method, c["base"],
+                  return_targets=True)
         np.testing.assert_array_equal(cp.asnumpy(r.values), ref.values, err_msg=method)
         np.testing.assert_array_equal(cp.asnumpy(r.codes), ref.codes, err_msg=method)
         np.testing.assert_allclose(cp.asnumpy(r.targets), ref.targets, rtol=1e-9, atol=1e-9)
@@ -255,13 +267,12 @@ def test_gpu_caller_stream_and_device():
 def test_gpu_float32_first_difference_is_a_near_tie():
     """float32: the first difference in processing order has a target at a rounding boundary."""
     cp = _cp()
-    from bakron.backends import numba_cuda as NC
     W, AO, AI, q = _problem(9, 256, 256, 16, 16)
     W32, AO32, AI32 = (x.astype(np.float32) for x in (W, AO, AI))
     ref = bakron.solve(W32, AO32, AI32, q, tile=16, method="antidiagonal", engine="array_api",
                        return_targets=True)
-    r = NC.run(cp.asarray(W32), cp.asarray(AO32), cp.asarray(AI32), q, tile=16,
-               method="wavefront", return_targets=True)
+    r = _cuda(cp.asarray(W32), cp.asarray(AO32), cp.asarray(AI32), q, 16, "wavefront",
+              return_targets=True)
     got = cp.asnumpy(r.values)
     diff = got != ref.values
     if not diff.any():

@@ -330,7 +330,7 @@ def test_quantize_folder_exit_codes(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    assert quantize_folder(src, other, quiet=True, bits=3) == EXIT_USAGE
+    assert quantize_folder(src, other, quiet=True, bits=3) == EXIT_LOCKED  # 3: not bakron's
     assert quantize_folder(tmp_path / "missing", out, quiet=True) == EXIT_USAGE
     assert quantize_folder(src, out, quiet=True, bits=11) == EXIT_USAGE
     assert quantize_folder(src, out, scheduler="tcp://x:1", gpus=1, quiet=True) == EXIT_USAGE

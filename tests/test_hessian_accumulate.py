@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import bakron.factor_files
+
 from bakron import _xp
 from bakron.hessian import FactorAccumulator, pack_upper, sequence_mix, unpack_upper
 from conftest import to_xp
@@ -134,10 +136,31 @@ def test_packed_upper_triangle_round_trip(xp):
     H = rng.standard_normal((5, 5))
     H = H + H.T
     p = pack_upper(xp, to_xp(xp, H))
-    assert _np(p).tolist() == H[np.triu_indices(5)].tolist()      # row-major upper triangle
+    # the factor-file layout: upper triangle column by column == lower triangle row by row
+    assert _np(p).tolist() == H[np.tril_indices(5)].tolist()
+    assert _np(p).tolist() == bakron.factor_files.pack_upper(H).tolist()
     np.testing.assert_array_equal(_np(unpack_upper(xp, p, 5)), H)
     with pytest.raises(ValueError, match="15 entries"):
         unpack_upper(xp, p[:-1], 5)
+
+
+def test_state_packing_entry_selects_the_layout(xp):
+    """States packed row by row (the layout before it was unified) load when they say so;
+    the default is the factor-file layout."""
+    rng = np.random.default_rng(8)
+    S = rng.standard_normal((5, 5))
+    S = S + S.T
+    old = {"sum": to_xp(xp, S[np.triu_indices(5)]), "n": 5, "weight": 2.0, "count": 3,
+           "packing": "upper-rowmajor"}
+    acc = FactorAccumulator.from_state_dict(old, xp=xp)
+    np.testing.assert_array_equal(_np(acc.sum), S)
+    new = acc.state_dict()
+    assert new["packing"] == "upper-colmajor"
+    np.testing.assert_array_equal(_np(FactorAccumulator.from_state_dict(new, xp=xp).sum), S)
+    no_entry = {k: v for k, v in new.items() if k != "packing"}
+    np.testing.assert_array_equal(_np(FactorAccumulator.from_state_dict(no_entry, xp=xp).sum), S)
+    with pytest.raises(ValueError, match="packing"):
+        FactorAccumulator.from_state_dict(dict(new, packing="lower-diag"), xp=xp)
 
 
 def test_state_dict_round_trip(xp):

@@ -242,6 +242,10 @@ def test_atomic_output_dir_exists(tmp_path):
     with pytest.raises(io.OutputExistsError, match="already exists; use --force"):
         with io.atomic_output_dir(out):
             pass  # pragma: no cover
+    with pytest.raises(io.OutputExistsError, match="not a bakron output folder"):
+        with io.atomic_output_dir(out, force=True):
+            pass  # pragma: no cover
+    (out / "report.json").write_text('{"tool": "bakron quantize"}')  # now it is bakron's
     # force: a failed build keeps the old folder, a finished one replaces it
     with pytest.raises(RuntimeError):
         with io.atomic_output_dir(out, force=True) as tmp:
@@ -252,6 +256,10 @@ def test_atomic_output_dir_exists(tmp_path):
         (tmp / "new").write_text("new")
     assert (out / "new").read_text() == "new" and not (out / "keep").exists()
     assert _leftovers(tmp_path, "out") == []
+    (out / "new").unlink()  # an empty folder may be replaced too
+    with io.atomic_output_dir(out, force=True) as tmp:
+        (tmp / "x").write_text("x")
+    assert (out / "x").exists()
 
 
 def test_atomic_output_dir_appearing_meanwhile(tmp_path):
@@ -302,3 +310,25 @@ def test_array_module():
     if name == "cpu":
         with pytest.raises(RuntimeError, match="device='gpu' but"):
             io.array_module("gpu")
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_read_npz_round_trips_every_plain_layout(tmp_path, compressed):
+    """The bounded npz reader gives what np.load gives: Fortran order, big-endian, 0-d,
+    empty, bool and integer arrays, stored or deflated."""
+    rng = np.random.default_rng(0)
+    arrays = {"F": np.asfortranarray(rng.standard_normal((5, 7))),
+              "BE": rng.standard_normal((3, 4)).astype(">f4"),
+              "S": np.array(3.5), "E": np.zeros((0, 4), np.float32),
+              "B": rng.random(6) > 0.5, "I": np.arange(10, dtype=np.int16).reshape(2, 5)}
+    p = tmp_path / "a.npz"
+    (np.savez_compressed if compressed else np.savez)(p, **arrays)
+    got = io.read_npz(p)
+    assert sorted(got) == sorted(arrays) == sorted(io.npz_names(p))
+    with np.load(p) as ref:
+        for k in arrays:
+            assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape
+            np.testing.assert_array_equal(got[k], ref[k])
+    assert io.read_npz(p, ["S"]) == {"S": np.array(3.5)}
+    with pytest.raises(io.InputError, match="no array named 'Z'"):
+        io.read_npz(p, ["Z"])

@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 import bakron
 from _problems import make_quantizer, problem
 from bakron.solvers._problem import Problem
-from bakron.solvers.recursive import solve_recursive
+from bakron.solvers.schedule import RecursionPlan
 from conftest import REFERENCE_CASES
 
 nc = pytest.importorskip("bakron.backends.numba_cpu")
@@ -55,8 +55,9 @@ def _reference(W, A_out, A_in, q, tile, **kw):
 
 @given(cases())
 def test_numba_equals_array_api_float64(c):
-    """Every compiled path (and the compiled base block under the generic recursion) gives
-    the array-API engine's Ŵ and codes exactly, and leaves the inputs untouched."""
+    """Every compiled path (the base block with offsets from outside under the recursions of
+    bases 1-3) gives the array-API engine's Ŵ and codes exactly, and leaves the inputs
+    untouched."""
     W, A_out, A_in, q = _setup(c)
     tile = (c["tx"], c["ty"])
     copies = [x.copy() for x in (W, A_in) + (() if A_out is None else (A_out,))]
@@ -67,11 +68,6 @@ def test_numba_equals_array_api_float64(c):
         assert r.engine == "numba" and r.values.dtype == np.float64
         np.testing.assert_array_equal(r.values, ref.values, err_msg=f"{method} {variant} {base}")
         np.testing.assert_array_equal(r.codes, ref.codes, err_msg=f"{method} {variant} {base}")
-    # the engine's solve_block driven by the array-API recursion (offsets in p.F)
-    p = Problem(xnp, W, A_out, A_in, q, tile)
-    solve_recursive(p, nc.solve_block, 2)
-    np.testing.assert_array_equal(p.Wq, ref.values)
-    np.testing.assert_array_equal(p.codes, ref.codes)
     for x, x0 in zip((W, A_in) + (() if A_out is None else (A_out,)), copies):
         np.testing.assert_array_equal(x, x0)
 
@@ -197,7 +193,7 @@ def test_plan_scratch_memory_bound():
         W = np.zeros((m, n))
         A_O = np.zeros((m, m)) if two else None
         p = Problem(xnp, W, A_O, np.zeros((n, n)), bakron.UniformQuantizer(2, 1.0), (t, t))
-        ops, scratch = nc.plan(p, base)
+        ops, scratch = nc.op_table(RecursionPlan(p.rows, p.cols, base, two))
         assert scratch <= m * n / 3 + base * t * (m + n), (m, n, scratch)
         assert (ops[:, 0] == 0).sum() >= 1
 
@@ -230,10 +226,9 @@ def test_gptq_order_one_sided_matches_classic_loop():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("two_sided", [True, False])
 def test_recursive_extra_memory_within_budget(dtype, two_sided):
-    """Issue 3: the recursive solver's extra memory is <= 3 m n elements beyond its inputs.
-    Ŵ (allocated with the problem) counts 1; everything the engine allocates (codes, the
-    F/E buffer, scratch) must stay within the other 2 (numba's internal per-block buffers
-    are O(base block))."""
+    """The recursive solver's extra memory is <= 3 m n elements beyond its inputs: everything
+    the engine allocates (Ŵ, codes, the F/E buffer, scratch; numba's internal per-block
+    buffers are O(base block)) is traced."""
     import tracemalloc
 
     m, n = 384, 320
@@ -241,19 +236,21 @@ def test_recursive_extra_memory_within_budget(dtype, two_sided):
     q = bakron.UniformQuantizer.fit(W, 2)
     A_out = None if f_out is None else f_out.A.astype(dtype)
     p = Problem(xnp, W.astype(dtype), A_out, f_in.A.astype(dtype), q, (16, 16))
-    nc.solve(p, "recursive", 2, "accumulator")  # compile / warm outside the trace
-    p = Problem(xnp, W.astype(dtype), A_out, f_in.A.astype(dtype), q, (16, 16))
+    nc.run(p, "recursive", 2, "accumulator")  # compile / warm outside the trace
     tracemalloc.start()
     try:
-        nc.solve(p, "recursive", 2, "accumulator")
+        out = nc.run(p, "recursive", 2, "accumulator")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak <= 2 * m * n * np.dtype(dtype).itemsize, peak / (m * n * np.dtype(dtype).itemsize)
+    assert out.values.dtype == dtype and out.codes.shape == (m, n)
+    assert peak <= 3 * m * n * np.dtype(dtype).itemsize, peak / (m * n * np.dtype(dtype).itemsize)
 
 
 def test_parallel_one_sided_kernel(monkeypatch):
-    """The prange variant of the one-sided base block (used for large blocks) is exact too."""
+    """The prange variant of the one-sided base block (used for large blocks) is exact too:
+    through the engine, and on a sub-block with offsets F and its errors written back (as the
+    recursion calls it) equal to the serial kernel."""
     K = nc._kernels()
     W, f_in, _ = problem(4, 70, 45, 8, 4, two_sided=False)
     q = bakron.UniformQuantizer.fit(W, 3, granularity="group", group_size=7)
@@ -261,9 +258,22 @@ def test_parallel_one_sided_kernel(monkeypatch):
     monkeypatch.setattr(K, "PAR_MIN_WORK", 0)
     r = bakron.solve(W, None, f_in.A, q, tile=(8, 4), method="antidiagonal", engine="numba")
     np.testing.assert_array_equal(r.values, ref.values)
-    p = Problem(xnp, W, None, f_in.A, q, (8, 4))
-    solve_recursive(p, nc.solve_block, 3)
-    np.testing.assert_array_equal(p.Wq, ref.values)
+    s_tab, z_tab = q.tables(np, "cpu", np.float64)
+    z_tab = np.zeros((1, 1)) if z_tab is None else np.ascontiguousarray(z_tab)
+    lo, hi = q.code_range
+    grid = (np.ascontiguousarray(s_tab), z_tab, q.group_size or 1, np.float64(lo),
+            np.float64(hi), q.symmetric)
+    F0 = np.random.default_rng(1).standard_normal(W.shape)
+    AI = np.ascontiguousarray(f_in.A)
+    outs = []
+    for kernel in (K.base_one_sided, K.base_one_sided_par):
+        FE, Wq = F0.copy(), np.zeros_like(W)
+        codes, T = np.zeros(W.shape, np.int16), np.zeros_like(W)
+        kernel(W, FE, True, AI, Wq, codes, T, True, FE, True, 16, 62, 8, 41, 8, 4, *grid)
+        outs.append((FE, Wq, codes, T))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    assert np.any(outs[0][1] != 0) and np.any(outs[0][0] != F0)
 
 
 @pytest.mark.parametrize("kind,dtype", [("s", np.float32), ("d", np.float64)])
@@ -294,9 +304,12 @@ def test_blas_adapter(kind, dtype):
 
 
 def test_bench_smoke_and_gptq_equivalence(tmp_path):
-    """bakron.bench writes its table and plot; the classic GPTQ loop it compares against
+    """The CPU benchmark writes its table and plot; the classic GPTQ loop it compares against
     solves the same problem as the one-sided solver (float64: identical Ŵ)."""
-    from bakron import bench
+    import bakron.bench
+    from bakron.benchmarks import cpu as bench
+
+    assert bakron.bench.main is bench.main  # python -m bakron.bench / bakron bench forward
 
     P = bench.make_problem(40, 48, (16, 16), np.float64, seed=3)
     q = bakron.UniformQuantizer.fit(P["W"], 3)
@@ -306,10 +319,25 @@ def test_bench_smoke_and_gptq_equivalence(tmp_path):
     np.testing.assert_array_equal(ours, theirs)
     assert bench.main(["--sizes", "32,64", "--repeats", "1", "--out", str(tmp_path)]) == 0
     md = (tmp_path / "cpu.md").read_text()
-    assert "| 32 |" in md and "| 64 |" in md and "python -m bakron.bench" in md
+    assert "| 32 |" in md and "| 64 |" in md and "python -m bakron.benchmarks.cpu" in md
     try:
         import matplotlib  # noqa: F401
     except ImportError:  # the plot is optional (extra 'bench')
         assert not (tmp_path / "cpu.png").exists() and "no plot" in md
     else:
         assert (tmp_path / "cpu.png").stat().st_size > 1000 and "cpu.png" in md
+
+
+def test_bench_help_explains_every_option(capsys):
+    """``bakron bench --help``: every option has a help text; ``--out`` names its default."""
+    from bakron.benchmarks import cpu as bench
+
+    actions = [a for a in bench.parser()._actions if a.option_strings]
+    names = {o for a in actions for o in a.option_strings}
+    assert {"--repeats", "--dtype", "--tile", "--bits", "--budget", "--out", "--sizes"} <= names
+    for a in actions:
+        assert a.help and len(a.help) > 10, a.option_strings
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    assert "default docs/benchmarks" in " ".join(capsys.readouterr().out.split())

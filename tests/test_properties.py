@@ -62,7 +62,8 @@ def test_all_methods_identical_float64(c):
 
 @given(cases())
 def test_loss_identity(c):
-    """tr(E H_I E^T H_O) = sum_ab tr(R_ab^T D_O,a R_ab D_I,b) with R = T - Ŵ (SPEC §4)."""
+    """tr(E H_I E^T H_O) = sum_ab tr(R_ab^T D_O,a R_ab D_I,b) with R = T - Ŵ
+    (docs/algorithm.md, "Checking a solver: the loss identity")."""
     W, f_in, f_out, q = _setup(c)
     for method in ("antidiagonal", "recursive", "naive"):
         r = bakron.solve(W, None if f_out is None else f_out.A, f_in.A, q,

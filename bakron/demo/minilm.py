@@ -64,45 +64,30 @@ def _namespace(device: str):
     return xpn, "cpu"
 
 
-def _quad(xp, X, Hi, Ho) -> float:
-    """tr(X H_I Xᵀ H_O) with float32 GEMMs and a float64 sum."""
-    XH = xp.matmul(X, Hi)
-    if Ho is not None:
-        XH = xp.matmul(Ho, XH)
-    return float(xp.sum(xp.astype(XH * X, xp.float64)))
-
-
 class _Metrics:
-    """Proxy errors of one layer under several (H_I, H_O) pairs.
+    """Proxy errors of one layer under several (H_I, H_O) pairs, through the library's one
+    implementation (:class:`bakron._lib.proxy.ProxyMetrics`) with float32 products.
 
-    float32 copies of the factors are made once; a pair that is the same matrices under two
-    names (e.g. the attention kind's ``(H_I, None)`` of a feed-forward layer and the one-sided
-    pair) is computed once per weight matrix.
+    A pair that is the same matrices under two names (e.g. the attention kind's
+    ``(H_I, None)`` of a feed-forward layer and the one-sided pair) is computed once per
+    weight matrix.
     """
 
     def __init__(self, xp, W, pairs: dict):
-        self.xp, self.W = xp, W
-        self.pairs, self.den, self._memo = {}, {}, {}
-        cache = {}
+        from .._lib.proxy import ProxyMetrics
 
-        def f32(H):
-            if H is None:
-                return None
-            if id(H) not in cache:
-                cache[id(H)] = xp.astype(H, xp.float32)
-            return cache[id(H)]
-
+        self.pairs, self._by_key, self._memo = {}, {}, {}
         for k, (Hi, Ho) in pairs.items():
             key = (id(Hi), id(Ho))
-            self.pairs[k] = (key, f32(Hi), f32(Ho))
-            if key not in self.den:
-                self.den[key] = _quad(xp, W, f32(Hi), f32(Ho))
+            if key not in self._by_key:
+                self._by_key[key] = ProxyMetrics(xp, W, Hi, Ho, dtype=xp.float32)
+            self.pairs[k] = key
 
     def __call__(self, values, metric: str) -> float:
-        key, Hi, Ho = self.pairs[metric]
+        key = self.pairs[metric]
         memo = (id(values), key)
         if memo not in self._memo:
-            self._memo[memo] = (values, _quad(self.xp, self.W - values, Hi, Ho) / self.den[key])
+            self._memo[memo] = (values, self._by_key[key].error(values, "two"))
         return self._memo[memo][1]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ._jobs import jobs_from_path
+from ._jobs import jobs_from_path, tensor_shape
 from ._outputs import LockHeld
 from ._run import (EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_UNAVAILABLE, EXIT_USAGE,
                    EXIT_WRITE_FAILED, run_layers)
@@ -29,11 +29,12 @@ def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int
     ``group_size``, ``scale_method``, ``device``, ``dtype``, ``one_sided``).
 
     OUT is resumable: run the same command again and only missing or invalid layers are
-    solved. A non-empty OUT that is not a bakron output folder is refused.
+    solved. A non-empty OUT that is not a bakron output folder is refused (exit 3).
 
     Exit codes (those of ``bakron quantize``): 0 every layer done; 1 some layers failed (the
     others are written; ``OUT/manifest.json`` says which and why); 2 bad input, settings or
-    options (nothing solved); 3 OUT is in use by another driver; 4 Dask, or the GPUs asked
+    options (nothing solved); 3 OUT is in use by another driver, or is a non-empty folder
+    that bakron did not write; 4 Dask, or the GPUs asked
     for, are not available; 5 the output could not be written (I/O error); 130 interrupted
     (finished layers are kept; re-run to resume).
     """
@@ -45,6 +46,25 @@ def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int
     except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
         _err(str(exc))
         return EXIT_USAGE
+    tile = (jobs[0].settings.get("tile") if jobs else None) or [16, 16]
+    for j in jobs:  # a tile larger than a layer: a usage error before anything is written
+        try:
+            m, n = tensor_shape(j.W)[:2]
+        except (ValueError, KeyError, FileNotFoundError) as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        if tile[0] > m or tile[1] > n:
+            _err(f"--tile {tile[0]}x{tile[1]} is larger than layer {j.name} ({m} x {n}); use a "
+                 f"tile no larger than the smallest layer")
+            return EXIT_USAGE
+    if gpus:
+        from .cluster import visible_gpus
+
+        have = len(visible_gpus())
+        if have < int(gpus):
+            _err(f"--gpus {gpus}: this machine shows {have} GPU{'s' if have != 1 else ''} "
+                 f"(CUDA_VISIBLE_DEVICES / nvidia-smi)")
+            return EXIT_UNAVAILABLE
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.isfile(out_dir):
         _err(f"--out {out_dir} is a file; give a folder")
@@ -54,7 +74,7 @@ def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int
             or os.path.isdir(os.path.join(out_dir, ".bakron"))):
         _err(f"{out_dir} is a non-empty folder that is not a bakron output; choose an empty "
              f"or new folder (an earlier distributed bakron output folder is resumed)")
-        return EXIT_USAGE
+        return EXIT_LOCKED  # 3, as `bakron quantize` for an OUT it may not replace
     client = cluster = None
     if scheduler or gpus or workers:
         try:

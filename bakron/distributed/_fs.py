@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import uuid
+
+from .._lib.fs import TMP_MARK, atomic_write_bytes, fsync_path
+from .._lib.fs import atomic_write_json as _atomic_write_json
 
 __all__ = ["fsync_dir", "atomic_write_bytes", "atomic_write_json", "atomic_save_tensors",
            "publish_once", "sha256_file", "tmp_name", "is_tmp_name", "TMP_MARK"]
 
-#: every temporary file bakron writes has this in its name (``<final>.tmp-<hex>``)
-TMP_MARK = ".tmp-"
 _CHUNK = 8 * 2**20
 
 
@@ -29,9 +29,7 @@ def is_tmp_name(name: str) -> bool:
 
 def fsync_dir(path: str) -> None:
     """fsync a directory so that a rename in it survives a crash (no-op where unsupported)."""
-    from ..io import _fsync_path
-
-    _fsync_path(path, directory=True)
+    fsync_path(path, directory=True)
 
 
 def _fsync_file(path: str) -> None:
@@ -42,24 +40,9 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to a temporary name, fsync it, rename it over ``path``, fsync the folder."""
-    path = os.fspath(path)
-    tmp = tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quiet(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
 def atomic_write_json(path: str, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    """The manifest writer: :func:`bakron._lib.fs.atomic_write_json` with sorted keys."""
+    _atomic_write_json(path, obj, sort_keys=True)
 
 
 def atomic_save_tensors(path: str, tensors: dict, metadata: dict | None = None) -> None:

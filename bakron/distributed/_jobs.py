@@ -26,7 +26,7 @@ JOB_FORMAT = 1
 DEFAULT_SETTINGS: dict[str, Any] = {
     "bits": 4, "tile": [16, 16], "method": "auto", "engine": "auto", "damp": 0.01,
     "symmetric": True, "granularity": "row", "group_size": None, "scale_method": "rms",
-    "device": "auto", "dtype": None, "one_sided": False,
+    "device": "auto", "dtype": None, "one_sided": False, "file_format": "safetensors",
 }
 _CHOICES = {
     "method": ("auto", "naive", "antidiagonal", "recursive"),
@@ -35,6 +35,7 @@ _CHOICES = {
     "scale_method": None,  # validated by UniformQuantizer.fit
     "device": ("auto", "cpu", "gpu"),
     "dtype": (None, "float32", "float64"),
+    "file_format": ("safetensors", "npz"),
 }
 
 
@@ -204,15 +205,16 @@ def _load_np(ref: TensorRef) -> np.ndarray:
         if ref.name is not None:
             raise ValueError(f"{ref.path}: a .npy file holds one array; drop '::{ref.name}'")
         return np.load(ref.path, mmap_mode="r", allow_pickle=False)
-    with np.load(ref.path, allow_pickle=False) as z:
-        if ref.name is None:
-            if len(z.files) != 1:
-                raise ValueError(f"{ref.path}: holds {len(z.files)} arrays; name one with "
-                                 f"'{ref.path}::NAME' (arrays: {z.files})")
-            return z[z.files[0]]
-        if ref.name not in z.files:
-            raise KeyError(f"{ref.path}: no array named {ref.name!r} (arrays: {z.files})")
-        return z[ref.name]
+    from ..io import npz_names, read_npz  # the one bounded, pickle-free npz reader
+
+    name = ref.name
+    if name is None:
+        files = npz_names(ref.path)
+        if len(files) != 1:
+            raise ValueError(f"{ref.path}: holds {len(files)} arrays; name one with "
+                             f"'{ref.path}::NAME' (arrays: {files})")
+        name = files[0]
+    return read_npz(ref.path, [name])[name]
 
 
 def load_tensor(ref: TensorRef) -> tuple[np.ndarray, str]:
@@ -240,6 +242,16 @@ def load_tensor(ref: TensorRef) -> tuple[np.ndarray, str]:
     h = hashlib.sha256(_tag(dts, c.shape))
     h.update(memoryview(c).cast("B"))
     return np.array(c), "sha256:" + h.hexdigest()
+
+
+def tensor_shape(ref: TensorRef) -> tuple:
+    """A tensor's shape from its file's header, without reading the data."""
+    ref = TensorRef.parse(ref)
+    if not os.path.isfile(ref.path):
+        raise FileNotFoundError(f"input file not found: {ref.path}")
+    if _kind(ref.path) == ".safetensors":
+        return _safetensors_entry(ref.path, ref.name)[1]
+    return tuple(_load_np(ref).shape)
 
 
 _CACHE: dict = {}
@@ -282,9 +294,12 @@ def job_key(job: LayerJob, checksums: Mapping[str, str] | None = None) -> str:
 
     if checksums is None:
         checksums = {k: tensor_checksum(r) for k, r in job.inputs().items()}
+    settings = canonical_settings(job.settings)
+    if settings["file_format"] == "safetensors":  # the default keeps the keys made before the
+        del settings["file_format"]               # setting existed (resumable folders)
     doc = {"job_format": JOB_FORMAT, "bakron": __version__,
            "inputs": {k: checksums[k] for k in sorted(job.inputs())},
-           "settings": canonical_settings(job.settings)}
+           "settings": settings}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
                           ).hexdigest()
 
@@ -304,8 +319,9 @@ def _names_in(path: str) -> list[str]:
 
         return [k for k in _safetensors.read_header(path)[0] if k != "__metadata__"]
     if kind == ".npz":
-        with np.load(path, allow_pickle=False) as z:
-            return list(z.files)
+        from ..io import npz_names
+
+        return npz_names(path)
     raise ValueError(f"{path}: a layer file is .npz or .safetensors")
 
 

@@ -4,7 +4,7 @@ Folder layout (see docs/distributed.md)::
 
     OUT/
       manifest.json            written only by the driver, atomically
-      layers/<name>.safetensors  one per layer, write-once
+      layers/<name>.safetensors  one per layer, write-once (``.npz`` with file_format="npz")
       .bakron/lock             the driver lock (an flock; the content only says who holds it)
       .bakron/writes.log       one line per layer file actually published (audit)
       .bakron/corrupt/         invalid layer files moved aside by a resuming driver
@@ -39,8 +39,14 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
 
 
-def layer_path(out_dir: str, file_stem: str) -> str:
-    return os.path.join(out_dir, "layers", file_stem + ".safetensors")
+#: layer file formats (the ``file_format`` setting); safetensors is the default
+FILE_FORMATS = ("safetensors", "npz")
+
+
+def layer_path(out_dir: str, file_stem: str, file_format: str = "safetensors") -> str:
+    if file_format not in FILE_FORMATS:
+        raise ValueError(f"file_format must be one of {FILE_FORMATS}, got {file_format!r}")
+    return os.path.join(out_dir, "layers", f"{file_stem}.{file_format}")
 
 
 def _meta_dir(out_dir: str) -> str:
@@ -64,20 +70,22 @@ def _data_digest(tensors: dict) -> str:
 
 
 def write_layer_file(out_dir: str, file_stem: str, tensors: dict, metadata: dict,
-                     journal: dict | None = None) -> tuple[str, str, bool]:
-    """Publish ``OUT/layers/<file_stem>.safetensors`` write-once (see :func:`publish_tensors`).
-
-    Returns ``(path, file_checksum, wrote)``.
+                     journal: dict | None = None, file_format: str = "safetensors"
+                     ) -> tuple[str, str, bool]:
+    """Publish ``OUT/layers/<file_stem>.<file_format>`` write-once (see
+    :func:`publish_tensors`). Returns ``(path, file_checksum, wrote)``.
     """
-    final = layer_path(out_dir, file_stem)
+    final = layer_path(out_dir, file_stem, file_format)
     return publish_tensors(final, tensors, metadata, LAYER_FORMAT, out_dir=out_dir,
-                           journal=journal)
+                           journal=journal, file_format=file_format)
 
 
 def publish_tensors(final: str, tensors: dict, metadata: dict, fmt: str, *,
-                    out_dir: str | None = None, journal: dict | None = None
-                    ) -> tuple[str, str, bool]:
-    """Write a safetensors file write-once: temporary name, fsync, link without replace.
+                    out_dir: str | None = None, journal: dict | None = None,
+                    file_format: str = "safetensors") -> tuple[str, str, bool]:
+    """Write a safetensors (or npz) file write-once: temporary name, fsync, link without
+    replace. An npz file keeps the metadata as the JSON string member ``__metadata__``
+    (as :func:`bakron.io.write_tensors` writes it).
 
     ``metadata`` must hold ``key``; ``format``, ``format_version`` (unless given),
     ``data_sha256`` and ``write_id`` are added. Returns ``(path, file_checksum, wrote)``: when
@@ -85,7 +93,7 @@ def publish_tensors(final: str, tensors: dict, metadata: dict, fmt: str, *,
     written and ``wrote`` is False; an invalid file in the way (a corrupt leftover) is
     replaced. A published file is journaled in ``out_dir/.bakron/writes.log``.
     """
-    from .. import _safetensors
+    from ..io import write_tensors
 
     os.makedirs(os.path.dirname(final), exist_ok=True)
     meta = dict(metadata)
@@ -93,17 +101,19 @@ def publish_tensors(final: str, tensors: dict, metadata: dict, fmt: str, *,
     meta.update(format=fmt, data_sha256=_data_digest(tensors), write_id=uuid.uuid4().hex)
     tmp = tmp_name(final)
     try:
-        _safetensors.save(tmp, tensors, meta)
+        write_tensors(tmp, tensors, file_format, metadata=meta)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-        ok, _, checksum, _ = verify_layer_file(tmp, meta["key"], fmt=fmt)
+        ok, _, checksum, _ = verify_layer_file(tmp, meta["key"], fmt=fmt,
+                                               file_format=file_format)
         if not ok:  # pragma: no cover - would mean the writer itself is broken
             raise OSError(f"{tmp}: the file just written does not verify")
         if not publish_once(tmp, final):
-            ok_old, _, old_sum, _ = verify_layer_file(final, meta["key"], fmt=fmt)
+            ok_old, _, old_sum, _ = verify_layer_file(final, meta["key"], fmt=fmt,
+                                                      file_format=file_format)
             if ok_old:
                 return final, old_sum, False
             os.replace(tmp, final)  # an invalid leftover is in the way
@@ -120,12 +130,17 @@ def publish_tensors(final: str, tensors: dict, metadata: dict, fmt: str, *,
 
 
 def verify_layer_file(path: str, key: str | None = None, checksum: str | None = None, *,
-                      fmt: str = LAYER_FORMAT) -> tuple[bool, str, str | None, dict]:
+                      fmt: str = LAYER_FORMAT, file_format: str | None = None
+                      ) -> tuple[bool, str, str | None, dict]:
     """Check a file written by :func:`publish_tensors`: it parses, has format ``fmt`` and
     ``key`` (when given), its data matches the ``data_sha256`` in its header and the whole
     file matches ``checksum`` (when given). Returns ``(ok, reason, file_checksum, metadata)``
-    in one pass over the file."""
+    in one pass over the file (safetensors). ``file_format`` defaults to the path's suffix."""
     from .. import _safetensors
+
+    if (file_format or ("npz" if str(path).lower().endswith(".npz") else "safetensors")) \
+            == "npz":
+        return _verify_npz(path, key, checksum, fmt)
 
     try:
         header, start = _safetensors.read_header(path)
@@ -160,6 +175,32 @@ def verify_layer_file(path: str, key: str | None = None, checksum: str | None = 
             dh.update(b)
     file_sum = "sha256:" + fh.hexdigest()
     if "sha256:" + dh.hexdigest() != meta.get("data_sha256"):
+        return False, "data checksum mismatch (corrupt data)", file_sum, meta
+    if checksum is not None and checksum != file_sum:
+        return False, "file checksum differs from the manifest", file_sum, meta
+    return True, "ok", file_sum, meta
+
+
+def _verify_npz(path: str, key, checksum, fmt) -> tuple[bool, str, str | None, dict]:
+    """:func:`verify_layer_file` for an npz layer file (read with the bounded npz reader)."""
+    from ..io import InputError, read_npz
+    from ._fs import sha256_file
+
+    if not os.path.exists(path):
+        return False, "missing", None, {}
+    try:
+        arrays = read_npz(path)
+        meta = json.loads(str(arrays.pop("__metadata__")[()]))
+    except (InputError, KeyError, ValueError, TypeError, OSError) as exc:
+        return False, f"unreadable npz ({exc})", None, {}
+    if not isinstance(meta, dict):
+        return False, "metadata is not a JSON object", None, {}
+    if meta.get("format") != fmt:
+        return False, f"not a {fmt} file (format {meta.get('format')!r})", None, meta
+    if key is not None and meta.get("key") != key:
+        return False, "key differs (inputs, settings or version changed)", None, meta
+    file_sum = sha256_file(path)
+    if _data_digest(arrays) != meta.get("data_sha256"):
         return False, "data checksum mismatch (corrupt data)", file_sum, meta
     if checksum is not None and checksum != file_sum:
         return False, "file checksum differs from the manifest", file_sum, meta

@@ -8,7 +8,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ._jobs import LayerJob, job_key, safe_file_name, tensor_checksum
+from ._jobs import LayerJob, canonical_settings, job_key, safe_file_name, tensor_checksum
 from ._outputs import (OutputLock, clean_tmp, failure_record, layer_path, now_iso, quarantine,
                        read_manifest, verify_layer_file, write_manifest)
 from ._task import run_job
@@ -118,7 +118,8 @@ def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int =
     jobs : iterable of LayerJob
         Unique names. Jobs name files; nothing big is pickled.
     out_dir : path
-        Output folder (created). Holds ``layers/<name>.safetensors``, ``manifest.json`` and
+        Output folder (created). Holds ``layers/<name>.safetensors`` (``.npz`` for jobs with
+        ``file_format="npz"``), ``manifest.json`` and
         ``.bakron/``; see docs/distributed.md.
     client : distributed.Client or None
         ``None`` runs the jobs one after the other in this process (the reference). With a
@@ -159,6 +160,7 @@ def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int =
                              f"name {stem!r}")
         seen[j.name] = stem
         stems[stem.lower()] = j.name
+    fmt_of = {j.name: canonical_settings(j.settings)["file_format"] for j in jobs}
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(os.path.join(out_dir, "layers"), exist_ok=True)
     guard = (os.path.join(out_dir, "layers") + os.sep, os.path.join(out_dir, ".bakron") + os.sep)
@@ -179,7 +181,7 @@ def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int =
         pending = []
         for j in jobs:
             stem = seen[j.name]
-            rel = os.path.relpath(layer_path(out_dir, stem), out_dir)
+            rel = os.path.relpath(layer_path(out_dir, stem, fmt_of[j.name]), out_dir)
             try:
                 checks = {k: tensor_checksum(r) for k, r in j.inputs().items()}
                 key = job_key(j, checks)
@@ -194,7 +196,7 @@ def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int =
             prev = old["layers"].get(j.name) or {}
             expect = prev.get("checksum") if (prev.get("key") == key
                                               and prev.get("status") == "done") else None
-            path = layer_path(out_dir, stem)
+            path = layer_path(out_dir, stem, fmt_of[j.name])
             if os.path.exists(path):
                 ok, why, cs, meta = verify_layer_file(path, key, expect)
                 if ok:

@@ -15,6 +15,7 @@ import traceback
 
 import numpy as np
 
+from .._lib.errors import InputError
 from ._jobs import LayerJob, canonical_settings, load_tensor
 from ._outputs import layer_path, now_iso, verify_layer_file, write_layer_file
 
@@ -22,10 +23,6 @@ __all__ = ["run_job", "InputError"]
 
 #: exceptions that mean "this layer's inputs or settings are bad": reported, not retried
 _INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, IsADirectoryError)
-
-
-class InputError(ValueError):
-    """An input changed or does not fit (reported as a failed layer, never retried)."""
 
 
 def _worker_info() -> dict:
@@ -88,22 +85,14 @@ def _as_sym(a: np.ndarray, n: int, what: str, allow_diag: bool):
                      f"{a.shape}")
 
 
-def _codes_dtype(q):
-    """int8 for symmetric codes, uint8 for asymmetric ones (as ``bakron quantize``)."""
-    lo, hi = q.code_range
-    for dt in ((np.uint8, np.uint16) if lo >= 0 else (np.int8, np.int16)):
-        if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
-            return dt
-    return np.int32
-
-
 def run_job(job: LayerJob, out_dir: str, file_stem: str, key: str,
             checksums: dict | None = None) -> dict:
     """Run one layer job; see the module docstring. Returns a JSON-friendly record."""
     t_start = time.perf_counter()
     info = _worker_info()
     rec = {"name": job.name, "key": key, **info, "started": now_iso()}
-    final = layer_path(out_dir, file_stem)
+    file_format = canonical_settings(job.settings)["file_format"]
+    final = layer_path(out_dir, file_stem, file_format)
     ok, _, checksum, meta = verify_layer_file(final, key)
     if ok:  # a twin (or an earlier attempt on a worker that then died) already wrote it
         return dict(rec, status="done", wrote=False, checksum=checksum,
@@ -126,8 +115,7 @@ def _f(x):
 
 def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
     from .. import __version__
-    from ..factor_files import quantize_layer_diag_out
-    from ..layer import quantize_layer
+    from .._lib.pipeline import quantize_arrays
 
     s = canonical_settings(job.settings)
     W, cW = load_tensor(job.W)
@@ -141,48 +129,22 @@ def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
     if W.ndim != 2:
         raise InputError(f"W must be 2-D, got shape {W.shape}")
     m, n = W.shape
-    if W.dtype not in (np.float32, np.float64):
-        W = W.astype(np.float32)
+    if W.dtype not in (np.float16, np.float32, np.float64):  # half W: the pipeline computes in
+        W = W.astype(np.float32)                              # float32 and records the dtype
     if s["dtype"] is not None:
         W = W.astype(s["dtype"])
     H_in, _ = _as_sym(H_in, n, "H_in", allow_diag=False)
     Ho_dense = Ho_diag = None
     if H_out is not None:
         Ho_dense, Ho_diag = _as_sym(H_out, m, "H_out", allow_diag=True)
-
-    if s["one_sided"]:
-        Ho_solve_dense = Ho_solve_diag = None
-    else:
-        Ho_solve_dense, Ho_solve_diag = Ho_dense, Ho_diag
     xp, device = _device(s["device"])
-    to = (lambda a: a) if xp is None else (lambda a: None if a is None else xp.asarray(a))
-    kw = dict(bits=s["bits"], tile=tuple(s["tile"]), method=s["method"], engine=s["engine"],
-              damp=s["damp"], symmetric=s["symmetric"], granularity=s["granularity"],
-              group_size=s["group_size"], scale_method=s["scale_method"])
-    if Ho_solve_diag is not None:
-        res = quantize_layer_diag_out(to(W), to(H_in), to(Ho_solve_diag), **kw)
-    else:
-        res = quantize_layer(to(W), to(H_in), to(Ho_solve_dense), **kw)
-    from .._xp import to_numpy
-
-    W_hat = to_numpy(res.values).astype(W.dtype, copy=False)
-    if s["one_sided"] and H_out is not None:  # judge a one-sided result on both sides too
-        res.proxy_error = _proxy_np(W, W_hat, H_in, Ho_dense, Ho_diag)
-        res.rtn_proxy_error = _proxy_np(W, to_numpy(res.rtn_values), H_in, Ho_dense, Ho_diag)
-    # the layout of `bakron quantize` (bakron.io.dequantize reads it): codes, a 2-D scale
-    # table (rows 1 or m, columns 1 or #groups) in W's dtype, uint8 zero points, W_hat
-    q = res.quantizer
-    s_tab, z_tab = q.tables(np, "cpu", np.dtype(W.dtype))
-    tensors = {"W_hat": W_hat,
-               "codes": to_numpy(res.codes).astype(_codes_dtype(q)),
-               "scale": np.array(s_tab, dtype=W.dtype)}
-    if z_tab is not None:
-        tensors["zero_point"] = np.rint(np.asarray(z_tab, dtype=np.float64)).astype(np.uint8)
-    summary = res.summary()
+    tensors, summary, _ = quantize_arrays(
+        W, H_in, Ho_diag if Ho_diag is not None else Ho_dense, s, xp=xp or np,
+        one_sided=s["one_sided"], metrics="basic")
     meta = {"name": job.name, "key": key, "bakron_version": __version__,
             "settings": canonical_settings(s), "shape": [m, n],
-            "two_sided": H_out is not None and not s["one_sided"],
-            "h_out_diagonal": Ho_diag is not None,
+            "two_sided": summary["two_sided"], "h_out_diagonal": summary["h_out_diagonal"],
+            "input_dtype": summary["input_dtype"],
             "worker": rec["worker"], "host": rec["host"], "device": device,
             "created": now_iso(), **{k: summary[k] for k in (
                 "method", "engine", "proxy_error", "proxy_error_one_sided", "rtn_proxy_error",
@@ -191,25 +153,12 @@ def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
     path, checksum, wrote = write_layer_file(
         out_dir, file_stem, tensors, meta_s,
         journal={"name": job.name, "key": key, "worker": rec["worker"], "pid": rec["pid"],
-                 "host": rec["host"], "time": now_iso()})
+                 "host": rec["host"], "time": now_iso()}, file_format=s["file_format"])
     return dict(rec, status="done", wrote=wrote, checksum=checksum, device=device,
                 damp_in=summary["damp_in"], damp_out=summary["damp_out"],
                 proxy_error=summary["proxy_error"], rtn_proxy_error=summary["rtn_proxy_error"],
                 method=summary["method"], engine=summary["engine"],
                 seconds=time.perf_counter() - t_start, finished=now_iso())
-
-
-def _proxy_np(W, W_hat, H_in, Ho_dense, Ho_diag) -> float:
-    from ..layer import proxy_error
-
-    if Ho_dense is not None:
-        return proxy_error(W, W_hat, H_in, Ho_dense)
-    h = Ho_diag.astype(np.float64)
-    W64 = W.astype(np.float64)
-    E = W64 - np.asarray(W_hat, dtype=np.float64)
-    Hi = H_in.astype(np.float64)
-    Hi = (Hi + Hi.T) / 2
-    return float(np.sum(h[:, None] * (E @ Hi) * E) / np.sum(h[:, None] * (W64 @ Hi) * W64))
 
 
 def _json(v) -> str:

@@ -18,7 +18,11 @@ same order give bitwise the same result.
 from __future__ import annotations
 
 from .. import _xp
-from .._validate import check_finite
+from .._lib import packing as _packing
+from .._validate import check_finite, check_real_dtype
+
+#: the upper triangle row by row: accepted in a state's "packing" entry for states packed that way
+_ROWMAJOR = "upper-rowmajor"
 
 __all__ = ["FactorAccumulator", "token_quadratic", "sequence_mix", "frobenius_sq",
            "pack_upper", "unpack_upper"]
@@ -99,6 +103,7 @@ class FactorAccumulator:
         if not hasattr(rows, "shape") or len(rows.shape) < 1 or rows.shape[-1] != self.n:
             raise ValueError(f"rows must have shape (..., {self.n}), got "
                              f"{getattr(rows, 'shape', None)}")
+        check_real_dtype(xp, rows, "rows")
         Y = xp.reshape(xp.astype(rows, self.dtype), (-1, self.n))
         check_finite(xp, Y, "rows")
         k = Y.shape[0]
@@ -135,6 +140,7 @@ class FactorAccumulator:
             raise ValueError(f"seqs must have shape (S, T, {self.n}), got "
                              f"{getattr(seqs, 'shape', None)}")
         S, T, _ = seqs.shape
+        check_real_dtype(xp, seqs, "seqs")
         Y = xp.astype(seqs, self.dtype)
         check_finite(xp, Y, "seqs")
         if mix is not None:
@@ -200,9 +206,10 @@ class FactorAccumulator:
         return H
 
     def state_dict(self) -> dict:
-        """``{"sum": packed upper triangle, "n", "weight", "count", "divisor"}`` (a copy)."""
-        return {"sum": pack_upper(self.xp, self.sum), "n": self.n, "weight": self.weight,
-                "count": self.count, "divisor": self.divisor}
+        """``{"sum": packed upper triangle, "packing", "n", "weight", "count", "divisor"}``
+        (a copy; the packing is the factor-file layout, ``packing = "upper-colmajor"``)."""
+        return {"sum": pack_upper(self.xp, self.sum), "packing": _packing.PACKING, "n": self.n,
+                "weight": self.weight, "count": self.count, "divisor": self.divisor}
 
     @classmethod
     def from_state_dict(cls, state: dict, *, xp=None) -> "FactorAccumulator":
@@ -210,7 +217,13 @@ class FactorAccumulator:
         xp = xp or _xp.namespace(packed)
         acc = cls(int(state["n"]), xp=xp, dtype=packed.dtype, device=_xp.device(packed),
                   divisor=float(state.get("divisor", 1.0)))
-        acc.sum = unpack_upper(xp, packed, acc.n)
+        layout = state.get("packing", _packing.PACKING)
+        if layout == _packing.PACKING:
+            acc.sum = unpack_upper(xp, packed, acc.n)
+        elif layout == _ROWMAJOR:  # a state packed row by row (the layout before it was unified)
+            acc.sum = _packing.unpack_upper_rowmajor(xp, packed, acc.n, name="state['sum']")
+        else:
+            raise ValueError(f"state['packing'] is {layout!r}; expected {_packing.PACKING!r}")
         acc.weight = float(state["weight"])
         acc.count = int(state["count"])
         return acc
@@ -239,25 +252,12 @@ def frobenius_sq(xp, H) -> float:
     return float(xp.sum(H * H))
 
 
-def _upper_index(xp, n: int, device):
-    idx = xp.arange(n * n, device=device)
-    i, j = idx // n, idx % n
-    return xp.nonzero(i <= j)[0]
-
-
 def pack_upper(xp, H):
-    """Upper triangle of ``H`` row by row (``n(n+1)/2`` entries): the layout of factor files."""
-    n = H.shape[0]
-    return xp.take(xp.reshape(H, (n * n,)), _upper_index(xp, n, _xp.device(H)))
+    """The upper triangle of ``H`` packed column by column (``n(n+1)/2`` entries): the
+    factor-file layout of :mod:`bakron._lib.packing`."""
+    return _packing.pack_upper(xp, H)
 
 
 def unpack_upper(xp, packed, n: int):
     """Inverse of :func:`pack_upper`: the full symmetric ``n x n`` matrix."""
-    if tuple(packed.shape) != (n * (n + 1) // 2,):
-        raise ValueError(f"a packed upper triangle of a {n} x {n} matrix has "
-                         f"{n * (n + 1) // 2} entries, got shape {tuple(packed.shape)}")
-    idx = xp.arange(n * n, device=_xp.device(packed))
-    i, j = idx // n, idx % n
-    lo, hi = xp.minimum(i, j), xp.maximum(i, j)
-    pos = lo * n - (lo * (lo - 1)) // 2 + (hi - lo)   # row-major position of (lo, hi), lo <= hi
-    return xp.reshape(xp.take(packed, pos), (n, n))
+    return _packing.unpack_upper(xp, packed, n, name="packed accumulator sum")

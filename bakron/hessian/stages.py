@@ -31,12 +31,12 @@ its inner activations are transient (not counted by the driver's memory budget).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import _xp
+from .._lib.special import gelu, gelu_derivative
 
 __all__ = ["Linear", "Bias", "ReLU", "GELU", "LayerNorm", "Residual", "SoftmaxCrossEntropy",
            "HeadContext", "stage_label", "is_head"]
@@ -165,34 +165,16 @@ class ReLU(_Elementwise):
         return xp.where(h > 0, delta, xp.zeros_like(delta))
 
 
-def erf(xp, x):
-    """The error function on numpy (scipy), cupy (cupyx), else through the host."""
-    if _xp.is_numpy(xp):
-        from scipy.special import erf as _erf
-        return _erf(x)
-    if _xp.is_cupy(xp):
-        from cupyx.scipy.special import erf as _erf
-        return _erf(x)
-    from scipy.special import erf as _erf
-    return xp.asarray(_erf(_xp.to_numpy(x)), device=_xp.device(x))
-
-
-_INV_SQRT2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
-
 class GELU(_Elementwise):
     """Exact GELU ``x Φ(x)`` with ``Φ(x) = (1 + erf(x/√2))/2``."""
 
     def forward(self, xp, h):
-        return h * (0.5 * (1.0 + erf(xp, h * _INV_SQRT2)))
+        return gelu(xp, h)
 
     def vjp(self, xp, h, delta, collect, need_input_grad=True):
         if not need_input_grad:
             return None
-        cdf = 0.5 * (1.0 + erf(xp, h * _INV_SQRT2))
-        pdf = _INV_SQRT2PI * xp.exp(-0.5 * h * h)
-        return delta * (cdf + h * pdf)
+        return delta * gelu_derivative(xp, h)
 
 
 class LayerNorm:

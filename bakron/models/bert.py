@@ -20,6 +20,7 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 
 from .. import _xp
+from .._lib.special import gelu, gelu_derivative  # noqa: F401 (part of this module's API)
 
 __all__ = ["BertConfig", "BertEncoder", "Observer", "LINEAR_KINDS", "linear_name", "gelu"]
 
@@ -102,37 +103,6 @@ class Observer(Protocol):
 
     def observe(self, layer: int, taps: dict) -> None:  # pragma: no cover - protocol
         ...
-
-
-def _erf(xp, x):
-    """erf in the namespace of ``x``: scipy / cupyx where available, else a 1e-7 rational fit."""
-    if _xp.is_numpy(xp):
-        from scipy.special import erf
-
-        return xp.asarray(erf(x))
-    if _xp.is_cupy(xp):
-        from cupyx.scipy.special import erf
-
-        return erf(x)
-    # Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7): enough for float32 inference elsewhere
-    a1, a2, a3, a4, a5, p = (0.254829592, -0.284496736, 1.421413741, -1.453152027,
-                             1.061405429, 0.3275911)
-    s = xp.sign(x)
-    ax = xp.abs(x)
-    t = 1.0 / (1.0 + p * ax)
-    y = 1.0 - (((((a5 * t + a4) * t) + a3) * t + a2) * t + a1) * t * xp.exp(-ax * ax)
-    return s * y
-
-
-def gelu(xp, x):
-    """Exact GELU ``x/2 * (1 + erf(x/sqrt 2))``."""
-    return 0.5 * x * (1.0 + _erf(xp, x * (1.0 / math.sqrt(2.0))))
-
-
-def gelu_derivative(xp, x):
-    """d GELU / dx = Phi(x) + x phi(x)."""
-    cdf = 0.5 * (1.0 + _erf(xp, x * (1.0 / math.sqrt(2.0))))
-    return cdf + x * xp.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
 
 
 def _layer_norm(xp, x, gamma, beta, eps):

@@ -6,16 +6,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _xp
-from .._validate import check_factor_shape, check_finite, check_matrix, check_tile
+from .._validate import (check_factor_block, check_factor_shape, check_finite,
+                         check_int, check_matrix, check_quantizer, check_real_dtype,
+                         check_result_finite, check_tile, factor_array, native)
+from . import engines
 from ._problem import Problem
-from .antidiagonal import solve_accumulator, solve_block_accumulator, solve_direct
-from .naive import solve_naive
-from .recursive import BASE_TILES, solve_recursive
+from .engines import Capabilities, Engine, EngineResult
+from .recursive import BASE_TILES
 
-__all__ = ["solve", "SolveResult", "METHODS", "ENGINES"]
+__all__ = ["solve", "SolveResult", "METHODS", "ENGINES", "Engine", "Capabilities", "EngineResult"]
 
 METHODS = ("auto", "naive", "antidiagonal", "recursive", "wavefront")
-ENGINES = ("auto", "array_api", "numba", "cuda")
+ENGINES = ("auto", *engines.ENGINE_MODULES)
 
 
 @dataclass
@@ -37,7 +39,9 @@ class SolveResult:
     targets : array or None
         Every tile's target ``T_ab`` when ``return_targets=True``.
     info : dict
-        Method details (variant, base block size, quantizer calls).
+        Method details: ``base``, ``variant``, ``quantizer_calls`` (calls of
+        ``quantizer.quantize``; 0 on engines that compile the rounding in) and the engine's
+        own counts (the cuda engine: ``launches``, ``gemms``).
     """
 
     values: Any
@@ -50,52 +54,43 @@ class SolveResult:
     info: dict = field(default_factory=dict)
 
 
-def _resolve_engine(engine: str, p: Problem):
-    """Return (name, module or None) of the engine that will run ``p``."""
+def _pick_engine(engine: str, p: Problem, method: str, variant: str):
+    """The engine module that will run ``p``, from the capability tables.
+
+    ``auto`` takes the first compiled engine (``cuda`` then ``numba`` for cupy, ``numba``
+    for numpy) that is available and takes the problem, else the array-API engine; a method
+    that engine's table lacks (``naive``, the direct variant on the GPU) goes to the array-API
+    engine too. An explicit engine that cannot run here or lacks the method is an error."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine == "array_api":
-        return "array_api", None
-    from .. import backends
-
     if engine == "auto":
         for name in ("cuda", "numba") if _xp.is_cupy(p.xp) else ("numba",):
-            mod = backends.load(name)
-            if mod is not None and mod.supports(p):
-                return name, mod
-        return "array_api", None
-    mod = backends.load(engine)
-    if mod is None:
+            eng = engines.load(name)
+            if eng is not None and eng.CAPABILITIES.refusal(p) is None and (
+                    method == "auto" or eng.CAPABILITIES.runs(method, variant)):
+                return eng
+        return engines.load("array_api")
+    eng = engines.load(engine)
+    if eng is None:
         raise ValueError(f"engine={engine!r} is not available here (its imports failed or "
                          f"there is no device); use engine='array_api' or 'auto'")
-    if not mod.supports(p):
-        raise ValueError(f"engine={engine!r} does not support this problem (array type "
-                         f"{p.xp.__name__}, dtype {p.dtype}, quantizer "
-                         f"{type(p.quantizer).__name__}); use engine='array_api' or 'auto'")
-    return engine, mod
-
-
-def _auto_base(p: Problem, eng) -> int:
-    """Base-block size (tiles per side) when ``base`` is not given: the engine's measured rule
-    (``auto_base``; docs/engines.md, docs/benchmarks/h200.md), ``BASE_TILES`` otherwise."""
-    if eng is not None and hasattr(eng, "auto_base"):
-        return int(eng.auto_base(p))
-    return BASE_TILES
-
-
-def _auto_method(p: Problem, base: int, eng=None) -> str:
-    """The schedule for ``method='auto'``: the engine's measured rule (``auto_method``; numba:
-    docs/engines.md, cuda: docs/benchmarks/h200.md), otherwise the recursion for anything
-    larger than one base block."""
-    if eng is not None and hasattr(eng, "auto_method"):
-        return eng.auto_method(p, base)
-    return "recursive" if (p.M > base or p.N > base) else "antidiagonal"
+    why = eng.CAPABILITIES.refusal(p)
+    if why is not None:
+        raise ValueError(f"engine={engine!r} does not support this problem: {why}; use "
+                         f"engine='array_api' or 'auto'")
+    if method != "auto" and not eng.CAPABILITIES.runs(method, variant):
+        what = f"method={method!r}" + (f" with variant={variant!r}"
+                                       if method == "antidiagonal" else "")
+        raise ValueError(f"{what} is not available on engine {engine!r} (it runs "
+                         f"{', '.join(eng.CAPABILITIES.methods)}); use engine='array_api' "
+                         f"or 'auto'")
+    return eng
 
 
 def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
           engine: str = "auto", variant: str = "accumulator", base: int | None = None,
           return_targets: bool = False, max_naive_bytes: int | None = None) -> SolveResult:
-    """Round ``W`` with the two-sided block-LDL feedback rule (docs/algorithm.md).
+    """Round ``W`` with the two-sided rule (docs/algorithm.md, "The rounding rule").
 
     Parameters
     ----------
@@ -112,34 +107,45 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         Tile shape; the last tile row/column is smaller when it does not divide W.
     method : {"auto", "naive", "antidiagonal", "recursive", "wavefront"}
         All give the same Ŵ (exactly in float64). ``auto`` picks by the engine's measured
-        rules. ``wavefront`` (two-level, docs/algorithm.md) runs on the cuda engine only.
+        rules. ``wavefront`` (the two-level schedule) runs on the cuda engine only.
     engine : {"auto", "array_api", "numba", "cuda"}
-        Where the base case runs. ``auto``: numba for numpy inputs with a uniform quantizer
-        when numba imports, the CUDA kernels for cupy inputs, else the array-API path.
+        Which executor runs the schedule (docs/architecture.md). ``auto``: the CUDA engine
+        for cupy inputs, numba for numpy inputs, when their capability tables take the
+        problem (a plain :class:`bakron.UniformQuantizer`, float32/float64), else the
+        array-API engine. An explicit engine that cannot run the problem is an error.
     variant : {"accumulator", "direct"}
         For ``method="antidiagonal"``: how targets are formed (docs/algorithm.md).
     base : int
         Base-block size in tiles for the recursive solver (default: the engine's measured
         rule, docs/engines.md; 8 on the array-API engine).
     return_targets : bool
-        Record every tile's target (for the loss identity); forces the array-API engine
-        unless the engine records them too.
+        Record every tile's target (for the loss identity). With ``engine="auto"`` the
+        array-API engine runs (its targets are the reference's sums).
 
     Returns
     -------
     SolveResult
     """
+    if isinstance(quantizer, (list, tuple)) or any(getattr(a, "ndim", 2) > 2 for a in (W, A_in, A_out)):  # noqa: E501
+        from .stack import solve_stack  # a stack (..., m, n) of layers: docs/stacks.md
+        return solve_stack(W, A_out, A_in, quantizer, tile=tile, method=method, engine=engine,
+                           variant=variant, base=base, return_targets=return_targets,
+                           max_naive_bytes=max_naive_bytes)
+    (A_out, blk_out), (A_in, blk_in) = factor_array(A_out), factor_array(A_in)
     xp = _xp.namespace(W, A_out, A_in)
+    W, A_out, A_in = native(xp, W), native(xp, A_out), native(xp, A_in)
     check_matrix(xp, W, "W")
     dtype = _xp.float_dtype(xp, W, "W")
     check_finite(xp, W, "W")
     m, n = W.shape
     check_matrix(xp, A_in, "A_in")
     check_factor_shape(A_in, n, "A_in", "A_out", m, "columns")
+    check_real_dtype(xp, A_in, "A_in")
     check_finite(xp, A_in, "A_in")
     if A_out is not None:
         check_matrix(xp, A_out, "A_out")
         check_factor_shape(A_out, m, "A_out", "A_in", n, "rows")
+        check_real_dtype(xp, A_out, "A_out")
         check_finite(xp, A_out, "A_out")
     tx, ty = check_tile(tile, m, n)
     if method not in METHODS:
@@ -147,52 +153,38 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     if variant not in ("accumulator", "direct"):
         raise ValueError(f"variant must be 'accumulator' or 'direct', got {variant!r}")
     auto_base = base is None
-    base = BASE_TILES if base is None else int(base)
-    if base < 1:
-        raise ValueError(f"base must be a positive number of tiles, got {base}")
-    if hasattr(quantizer, "check_shape"):
-        quantizer.check_shape(m, n)
+    base = BASE_TILES if base is None else check_int(base, "base", minimum=1,
+                                                      what="a positive number of tiles")
+    check_quantizer(quantizer, m, n, dtype)
     _check_strictly_lower(xp, A_in, ty, "A_in")
+    check_factor_block(xp, A_in, ty, "A_in", blk_in)
     if A_out is not None:
         _check_strictly_lower(xp, A_out, tx, "A_out")
+        check_factor_block(xp, A_out, tx, "A_out", blk_out)
 
     p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
-    eng_name, eng = ("array_api", None) if return_targets and engine == "auto" else \
-        _resolve_engine(engine, p)
-    if method == "wavefront" and eng_name != "cuda":
+    if return_targets and engine == "auto":
+        engine = "array_api"
+    eng = _pick_engine(engine, p, method, variant)
+    if method == "wavefront" and eng.NAME != "cuda":
         raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
                          "engine only (cupy arrays); use 'recursive', 'antidiagonal' or 'auto'")
     if auto_base:
-        base = _auto_base(p, eng)
+        base = int(eng.auto_base(p))
     if method == "auto":
-        method = _auto_method(p, base, eng)
+        method = eng.auto_method(p, base)
     info = {"base": base, "variant": variant if method == "antidiagonal" else None}
+    kw = {"max_naive_bytes": max_naive_bytes} if eng.NAME == "array_api" else {}
 
     _xp.sync(xp)
     t0 = time.perf_counter()
-    done = False
-    if eng is not None and hasattr(eng, "solve"):
-        done = eng.solve(p, method, base, variant)
-    if not done:
-        block = solve_block_accumulator if eng is None else eng.solve_block
-        if method == "naive":
-            solve_naive(p, max_naive_bytes)
-        elif method == "antidiagonal":
-            if variant == "direct":
-                solve_direct(p)
-            elif eng is None:
-                solve_accumulator(p)
-            else:
-                block(p, 0, p.M, 0, p.N)
-        elif method == "recursive":
-            solve_recursive(p, block, base)
-        else:  # an engine's own method that it declined to run
-            raise ValueError(f"method={method!r} is not available on engine {eng_name!r}")
+    out = eng.run(p, method, base, variant, **kw)
     _xp.sync(xp)
     seconds = time.perf_counter() - t0
-    info["quantizer_calls"] = p.quantizer_calls
-    return SolveResult(values=p.Wq, codes=p.codes, method=method, engine=eng_name,
-                       seconds=seconds, tile=(tx, ty), targets=p.T, info=info)
+    check_result_finite(xp, out.values, quantizer)
+    info.update(out.info)
+    return SolveResult(values=out.values, codes=out.codes, method=method, engine=eng.NAME,
+                       seconds=seconds, tile=(tx, ty), targets=out.targets, info=info)
 
 
 def _check_strictly_lower(xp, A, block: int, name: str) -> None:

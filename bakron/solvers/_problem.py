@@ -1,14 +1,13 @@
-"""The state shared by every solver: inputs, tile partition, outputs, quantizer calls."""
+"""What a solve works on: the inputs and their tile partition (:class:`Problem`, read by every
+engine), and the array-API executor's working state (:class:`Workspace`: outputs, offsets,
+quantizer calls)."""
 from __future__ import annotations
 
 import inspect
 
 from .. import _xp
-
-
-def tile_edges(size: int, t: int) -> list[int]:
-    """Tile boundaries ``[0, t, 2t, ..., size]``; the last tile is smaller when t does not divide."""
-    return list(range(0, size, t)) + [size]
+from .._validate import check_quantizer_output
+from .schedule import tile_edges
 
 
 class QuantizerCall:
@@ -19,6 +18,7 @@ class QuantizerCall:
             raise TypeError("quantizer must have a method quantize(targets) -> (values, codes); "
                             f"got {type(quantizer).__name__}")
         self.quantizer = quantizer
+        self.checked = False  # the first batch gets the full output check
         try:
             params = inspect.signature(quantizer.quantize).parameters
             self.positions = "rows" in params and "cols" in params
@@ -30,27 +30,18 @@ class QuantizerCall:
             out = self.quantizer.quantize(targets, rows=rows, cols=cols)
         else:
             out = self.quantizer.quantize(targets)
-        try:
-            values, codes = out
-        except Exception:
-            raise TypeError("quantizer.quantize must return a pair (values, codes)") from None
-        if tuple(values.shape) != tuple(targets.shape):
-            raise ValueError(f"quantizer.quantize returned values of shape {tuple(values.shape)} "
-                             f"for targets of shape {tuple(targets.shape)}")
-        if codes is not None and tuple(codes.shape) != tuple(targets.shape):
-            raise ValueError(f"quantizer.quantize returned codes of shape {tuple(codes.shape)}; "
-                             f"codes must have the targets' shape {tuple(targets.shape)} or be None")
+        values, codes = check_quantizer_output(self.quantizer, targets, out,
+                                               full=not self.checked)
+        self.checked = True
         return values, codes
 
 
 class Problem:
-    """Inputs, partition and outputs of one solve.
+    """Inputs and partition of one solve (engines read it and never write to it).
 
     ``W`` (m, n) in the working dtype; ``A_O`` (m, m) or ``None`` (one-sided), ``A_I`` (n, n),
     both cast to W's dtype. Tiles are ``tx x ty``; ``rows``/``cols`` are the tile edges.
-    ``Wq`` receives the rounded values, ``codes`` the integer codes; ``F`` (allocated by the
-    recursive solver) holds the feedback a block has received from outside; ``T`` (optional)
-    records every tile's target, for the loss identity.
+    ``record_targets``: the caller wants every tile's target (for the loss identity).
     """
 
     def __init__(self, xp, W, A_O, A_I, quantizer, tile, *, record_targets=False):
@@ -67,12 +58,7 @@ class Problem:
         self.M, self.N = len(self.rows) - 1, len(self.cols) - 1
         self.quantizer = quantizer
         self.qcall = QuantizerCall(quantizer)
-        self.Wq = xp.zeros_like(W)
-        self.codes = None
-        self.codes_seen = False
-        self.F = None
-        self.T = xp.zeros_like(W) if record_targets else None
-        self.quantizer_calls = 0
+        self.record_targets = bool(record_targets)
 
     @property
     def two_sided(self) -> bool:
@@ -83,6 +69,39 @@ class Problem:
 
     def offsets(self, idx: list[int]):
         return self.xp.asarray(idx, dtype=self.xp.int64, device=self.device)
+
+    def tile_shape(self, a: int, b: int) -> tuple[int, int]:
+        return self.rows[a + 1] - self.rows[a], self.cols[b + 1] - self.cols[b]
+
+    def group_by_shape(self, tiles):
+        """Split a list of tiles into lists of equal shape (ragged edges give up to 4 groups)."""
+        groups: dict = {}
+        for t in tiles:
+            groups.setdefault(self.tile_shape(*t), []).append(t)
+        return list(groups.values())
+
+    def tiles_of(self, X, tiles, r0: int = 0, c0: int = 0):
+        """Stack the sub-arrays of ``X`` (whose element (0, 0) is W's (r0, c0)) for ``tiles``."""
+        return self.xp.stack([X[self.rows[a] - r0:self.rows[a + 1] - r0,
+                                self.cols[b] - c0:self.cols[b + 1] - c0] for a, b in tiles])
+
+
+class Workspace(Problem):
+    """The array-API executor's state for one solve of ``problem`` (its inputs, shared, plus):
+    ``Wq`` receives the rounded values, ``codes`` the integer codes; ``F`` (allocated by the
+    recursive solver) holds the feedback a block has received from outside; ``T`` (when
+    targets are recorded) every tile's target; ``quantizer_calls`` counts the calls of
+    ``quantizer.quantize``."""
+
+    def __init__(self, problem: Problem):
+        self.__dict__.update(problem.__dict__)
+        xp = self.xp
+        self.Wq = xp.zeros_like(self.W)
+        self.codes = None
+        self.codes_seen = False
+        self.F = None
+        self.T = xp.zeros_like(self.W) if self.record_targets else None
+        self.quantizer_calls = 0
 
     def round_batch(self, tiles, T, Wt):
         """Quantize a batch of same-shape tiles ``tiles`` [(a, b), ...] with targets ``T``
@@ -109,18 +128,3 @@ class Problem:
     def error(self, r0: int, r1: int, c0: int, c1: int):
         """``E = W - Wq`` over the element ranges (a new array)."""
         return self.W[r0:r1, c0:c1] - self.Wq[r0:r1, c0:c1]
-
-    def tile_shape(self, a: int, b: int) -> tuple[int, int]:
-        return self.rows[a + 1] - self.rows[a], self.cols[b + 1] - self.cols[b]
-
-    def group_by_shape(self, tiles):
-        """Split a list of tiles into lists of equal shape (ragged edges give up to 4 groups)."""
-        groups: dict = {}
-        for t in tiles:
-            groups.setdefault(self.tile_shape(*t), []).append(t)
-        return list(groups.values())
-
-    def tiles_of(self, X, tiles, r0: int = 0, c0: int = 0):
-        """Stack the sub-arrays of ``X`` (whose element (0, 0) is W's (r0, c0)) for ``tiles``."""
-        return self.xp.stack([X[self.rows[a] - r0:self.rows[a + 1] - r0,
-                                self.cols[b] - c0:self.cols[b + 1] - c0] for a, b in tiles])

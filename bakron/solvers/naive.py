@@ -1,4 +1,5 @@
-"""The naive reference solver: the vec-form LDLQ recurrence of SPEC §3, obviously correct.
+"""The naive reference solver: the vec-form LDLQ recurrence, obviously correct
+(docs/algorithm.md, "The rounding rule").
 
 With ``K = G_O ⊗ G_I`` (row-major vec), tiles are processed from the last to the first and
 each tile's target is ``w_p + sum_{q > p} K[q, p] (w_q - ŵ_q)``. Only the columns of K that the
@@ -8,13 +9,13 @@ current tile needs are built (``G_O[:, rows] ⊗ G_I[:, cols]``), but the work i
 """
 from __future__ import annotations
 
-from ._problem import Problem
+from ._problem import Workspace
 
 #: The naive solver refuses problems whose full Kronecker matrix would exceed this many bytes.
 MAX_KRON_BYTES = 2 ** 31
 
 
-def solve_naive(p: Problem, max_bytes: int | None = None) -> None:
+def solve_naive(p: Workspace, max_bytes: int | None = None) -> None:
     xp = p.xp
     m, n = p.m, p.n
     limit = MAX_KRON_BYTES if max_bytes is None else max_bytes

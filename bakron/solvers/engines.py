@@ -1,0 +1,132 @@
+"""The engine contract: what an engine declares, what ``solve`` asks of it, what it hands back.
+
+An engine is an object (the engines here are modules) with:
+
+``NAME``
+    its name for ``solve(engine=...)``;
+``CAPABILITIES``
+    a :class:`Capabilities` table: methods, variants, dtypes, array namespaces, quantizer
+    kinds, tile limits. ``solve`` consults it before any work (and the tests derive their
+    skips from it);
+``available() -> bool``
+    whether it can run here (imports succeed, a device exists, ...);
+``auto_base(p)``, ``auto_method(p, base)``
+    its measured rules for ``base=None`` and ``method="auto"``;
+``run(p, method, base, variant) -> EngineResult``
+    solve :class:`~bakron.solvers._problem.Problem` ``p`` (read only) with a method of its
+    table and hand back new arrays.
+
+``solve`` is the one public entry point: it validates, builds the ``Problem`` (the array
+namespace is taken once there), picks the engine and calls ``run``.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from .. import _xp
+
+#: every engine name ``solve`` accepts besides ``"auto"``, and the module that holds it
+ENGINE_MODULES = {"array_api": "bakron.solvers.array_api",
+                  "numba": "bakron.backends.numba_cpu",
+                  "cuda": "bakron.backends.numba_cuda"}
+
+#: quantizer kinds of the capability table
+ANY_QUANTIZER = "any"          # anything with quantize(targets) -> (values, codes)
+UNIFORM_FUSED = "uniform"      # a UniformQuantizer whose rounding the engine compiles in
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can run (checked by ``solve`` before any work).
+
+    ``methods``: method names (``"antidiagonal"`` with one of ``variants``); ``dtypes``:
+    dtype names; ``namespaces``: ``"any"`` or the array libraries (``"numpy"``, ``"cupy"``);
+    ``quantizers``: ``ANY_QUANTIZER`` or ``UNIFORM_FUSED``; ``max_tile``: ``(t_x, t_y,
+    t_x t_y)`` limits or ``None``; ``targets``: whether it records every tile's target."""
+
+    methods: tuple[str, ...]
+    variants: tuple[str, ...] = ("accumulator",)
+    dtypes: tuple[str, ...] = ("float32", "float64")
+    namespaces: tuple[str, ...] = ("any",)
+    quantizers: str = ANY_QUANTIZER
+    max_tile: tuple[int, int, int] | None = None
+    targets: bool = True
+
+    def refusal(self, p) -> str | None:
+        """Why this engine cannot take problem ``p`` at all (``None``: it can)."""
+        if not any(p.dtype == getattr(p.xp, d, None) for d in self.dtypes):
+            return f"dtype {p.dtype} (it runs {', '.join(self.dtypes)})"
+        if "any" not in self.namespaces:
+            name = "numpy" if _xp.is_numpy(p.xp) else "cupy" if _xp.is_cupy(p.xp) else \
+                p.xp.__name__
+            if name not in self.namespaces:
+                return f"array type {name} (it runs {', '.join(self.namespaces)})"
+            if name == "numpy" and not getattr(p.W.dtype, "isnative", True):
+                return "non-native byte order"
+        if self.quantizers == UNIFORM_FUSED and not is_plain_uniform(p.quantizer):
+            return (f"quantizer {type(p.quantizer).__name__} (it fuses the rounding of "
+                    f"bakron.UniformQuantizer and runs no other quantizer)")
+        if self.max_tile is not None:
+            mx, my, mxy = self.max_tile
+            if p.tx > mx or p.ty > my or p.tx * p.ty > mxy:
+                return f"tile {p.tx} x {p.ty} (at most {mx} x {my} and {mxy} elements)"
+        if p.record_targets and not self.targets:
+            return "return_targets=True"
+        return None
+
+    def runs(self, method: str, variant: str) -> bool:
+        """Whether ``method`` (with ``variant`` for the anti-diagonal) is in the table."""
+        return method in self.methods and (method != "antidiagonal" or variant in self.variants)
+
+
+def is_plain_uniform(q) -> bool:
+    """A :class:`bakron.UniformQuantizer` whose ``quantize`` is not overridden (so that an
+    engine may compile its rounding in)."""
+    from ..quantizers import UniformQuantizer
+
+    return isinstance(q, UniformQuantizer) and type(q).quantize is UniformQuantizer.quantize
+
+
+@dataclass
+class EngineResult:
+    """What an engine hands back: new arrays in W's namespace and device.
+
+    ``info`` always has ``quantizer_calls``: the calls of ``quantizer.quantize`` (0 on engines
+    that compile the rounding in); engines may add their own counts (``launches``, ...)."""
+
+    values: Any
+    codes: Any
+    targets: Any = None
+    info: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    NAME: str
+    CAPABILITIES: Capabilities
+
+    def available(self) -> bool: ...
+
+    def auto_base(self, p) -> int: ...
+
+    def auto_method(self, p, base: int) -> str: ...
+
+    def run(self, p, method: str, base: int, variant: str) -> EngineResult: ...
+
+
+def load(name: str):
+    """The engine ``name``, or ``None`` when it cannot run here (imports fail, no device)."""
+    modname = ENGINE_MODULES.get(name)
+    if modname is None:
+        raise ValueError(f"unknown engine {name!r}; choose from {['auto', *ENGINE_MODULES]}")
+    try:
+        mod = importlib.import_module(modname)
+    except ImportError:
+        return None
+    try:
+        ok = mod.available()
+    except Exception:
+        ok = False
+    return mod if ok else None
