@@ -81,10 +81,12 @@ def browser_problems(root: Path, page: Path, exe: str, shots: Path | None) -> li
     if n_typeset < n_math:
         bad.append(f"{rel}: {n_math} maths elements but only {n_typeset} typeset by MathJax "
                    f"(raw LaTeX is showing)")
-    text = _TAGS.sub(" ", re.sub(r"<mjx-container\b.*?</mjx-container>", " ", dom, flags=re.S))
-    text = re.sub(r"<pre\b.*?</pre>", " ", text, flags=re.S)
+    # the page's text outside typeset maths and code: where raw LaTeX would show
+    text = re.sub(r"<mjx-container\b.*?</mjx-container>|<pre\b.*?</pre>|<code\b.*?</code>",
+                  " ", dom, flags=re.S)
+    text = _TAGS.sub(" ", text)
     for raw in (r"\(", r"\[", "$$"):
-        if raw in re.sub(r"<pre\b.*?</pre>|<code\b.*?</code>", " ", text, flags=re.S):
+        if raw in text:
             bad.append(f"{rel}: raw LaTeX delimiter {raw!r} left in the rendered page")
     if shots is not None:
         out = shots / rel.with_suffix(".png")
