@@ -13,6 +13,8 @@ import numpy as np
 from bakron.hessian import global_factors, reversal_cost
 from bakron.hessian._examples import deep_chain
 
+from . import sig3
+
 DEPTH, WIDTH, SAMPLES, BATCHES = 32, 128, 512, 2
 _PROBLEM = {}
 
@@ -35,6 +37,8 @@ class GlobalFactorsBudget:
     params = [[1.0, 0.5, 0.35, 0.25]]
     param_names = ["budget_fraction"]
     timeout = 300
+    number = 1
+    repeat = (5, 10, 60.0)  # ~0.4 s each on 2 cores: 10 samples per round, 2 rounds
 
     def setup(self, frac):
         p = _problem()
@@ -54,11 +58,11 @@ class GlobalFactorsBudget:
         self._run()
 
     def track_peak_working_mib(self, frac):
-        return self._run().peak_bytes / 2.0 ** 20
+        return sig3(self._run().peak_bytes / 2.0 ** 20)
     track_peak_working_mib.unit = "MiB"
 
     def track_recompute_factor(self, frac):
-        return self._run().recompute_factor
+        return sig3(self._run().recompute_factor)
     track_recompute_factor.unit = "x store-all"
 
     def track_passes(self, frac):
@@ -72,6 +76,8 @@ class CheckpointSchedules:
     params = [["store_all", "bisection", "binomial-4", "binomial-2"]]
     param_names = ["schedule"]
     timeout = 300
+    number = 1
+    repeat = (5, 10, 60.0)
 
     def setup(self, schedule):
         self.stages = deep_chain(32, 32, seed=2)

@@ -3,12 +3,15 @@
 * ``time_solve`` / ``peakmem_solve``: wall time and process peak memory (asv) of one solve
   (tile 16 x 16, 2-bit grid with per-row RMS scales, Wishart Hessians);
 * ``track_time_over_floor``: median solve time ÷ median time of the floor product
-  ``G_Oᵀ W G_I`` (numpy, same dtype), measured alongside — lower is better;
+  ``G_Oᵀ W G_I`` (numpy, same dtype), 7 of each, interleaved — lower is better;
 * ``track_proxy_over_rtn``: proxy error ``tr(E H_I Eᵀ H_O) / tr(W H_I Wᵀ H_O)`` of the result
   ÷ that of round-to-nearest — lower is better (> 1 happens at 2 bits);
 * ``track_extra_memory_mn``: peak array memory allocated by one solve (tracemalloc), in
   units of ``m n`` elements of the dtype, outputs included — lower is better; the project's
   budget is ≤ 3 for the recursive solver (the factors are passed in W's dtype, so no cast counts).
+
+The ``track_`` ratios are rounded to 3 significant digits (asv runs a ``track_`` once per
+commit: it has no rounds).
 
 Default run: 256² … 2048², float32 and float64, engines numba and array_api; slow
 combinations (the O(n⁴) direct anti-diagonal beyond 1024², the array-API engine beyond
@@ -21,6 +24,8 @@ import time
 import numpy as np
 
 import bakron
+
+from . import sig3
 
 FULL = os.environ.get("BAKRON_ASV_FULL", "") not in ("", "0")
 TILE = 16
@@ -81,7 +86,7 @@ class Solvers:
     param_names = ["method", "shape", "dtype", "engine"]
     timeout = 900
     number = 1
-    repeat = (1, 5, 60.0)
+    repeat = (3, 10, 60.0)  # 3 to 10 samples per round (2 rounds), until 60 s
 
     def setup(self, method, shape, dtype, engine):
         if _skip(method, shape, dtype, engine):
@@ -113,14 +118,14 @@ class Solvers:
         GO = np.eye(m, dtype=p["W"].dtype) + p["A_out"]
         GI = np.eye(n, dtype=p["W"].dtype) + p["A_in"]
         floor, solve = [], []
-        for _ in range(3):
+        for _ in range(7):
             t0 = time.perf_counter()
             GO.T @ p["W"] @ GI
             floor.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             self._solve()
             solve.append(time.perf_counter() - t0)
-        return float(np.median(solve) / np.median(floor))
+        return sig3(np.median(solve) / np.median(floor))
 
     track_time_over_floor.unit = "× floor"
 
@@ -129,7 +134,7 @@ class Solvers:
         Wq = self._solve().values
         rtn, _ = p["q"].rtn(p["W"])
         err = bakron.proxy_error(p["W"], Wq, p["H_in"], p["H_out"])
-        return float(err / bakron.proxy_error(p["W"], rtn, p["H_in"], p["H_out"]))
+        return sig3(err / bakron.proxy_error(p["W"], rtn, p["H_in"], p["H_out"]))
 
     track_proxy_over_rtn.unit = "× RTN"
 
@@ -148,6 +153,6 @@ class Solvers:
         finally:
             tracemalloc.stop()
         del r
-        return float(peak / (m * n * p["W"].dtype.itemsize))
+        return sig3(peak / (m * n * p["W"].dtype.itemsize))
 
     track_extra_memory_mn.unit = "m·n elements"

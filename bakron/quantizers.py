@@ -76,7 +76,7 @@ def _as_table(scale, name: str, m: int | None, n: int | None, group_size: int | 
 
 
 class UniformQuantizer:
-    """Scalar uniform grid with ``bits`` bits (SPEC §5).
+    """Scalar uniform grid with ``bits`` bits (docs/conventions.md).
 
     Symmetric codes ``c = clip(round(t/s), -2**(b-1), 2**(b-1)-1)`` with value ``s*c``;
     asymmetric codes ``c = clip(round(t/s) + z, 0, 2**b - 1)`` with value ``s*(c - z)``.

@@ -27,6 +27,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",  # MathJax 3 copied into _static/mathjax: maths renders offline
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -47,8 +48,16 @@ html_title = f"bakron {release}"
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
+    # the benchmark pages hold wide tables: give them the right-hand column too
+    "secondary_sidebar_items": {"**": ["page-toc", "sourcelink"],
+                                "benchmarks/cpu": [], "benchmarks/h200": []},
 }
-html_static_path: list[str] = []
+# every page sits directly under the landing page, so the theme's "Section Navigation" (which
+# starts one level down) would be empty: show the whole table of contents instead
+html_sidebars = {"**": ["sidebar-site-nav"]}
+templates_path = ["_templates"]
+html_static_path = ["_static"]
+html_css_files = ["bakron.css"]
 
 
 # -- pages written by other parts of the project --------------------------------------------
