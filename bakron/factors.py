@@ -1,4 +1,4 @@
-"""The factor pipeline of SPEC §2: symmetrise, normalise, damp, block LDL.
+"""The factor pipeline (docs/algorithm.md, "Factors"): symmetrise, normalise, damp, block LDL.
 
 ``prepare_factor`` turns a raw Hessian factor into ``A = L - I`` (strictly block-lower
 triangular) with ``H = L D L^T``. Factorisations always run in float64, on the caller's device.

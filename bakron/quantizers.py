@@ -1,4 +1,4 @@
-"""Quantizers: the scalar uniform grid of SPEC §5 and the tile-quantizer protocol.
+"""Quantizers: the scalar uniform grid (docs/conventions.md) and the tile-quantizer protocol.
 
 A *tile quantizer* is any object with a method
 

@@ -286,7 +286,7 @@ def test_all_zero_weights_round_to_zeros(layer):
         assert res.proxy_error == 0.0 and res.rtn_proxy_error == 0.0
 
 
-# -- half precision W (issue 16) --------------------------------------------------------------
+# -- half precision W ------------------------------------------------------------------------
 
 def test_half_precision_weights_are_computed_in_float32(layer):
     W, H, _ = layer

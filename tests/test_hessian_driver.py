@@ -100,7 +100,7 @@ def test_bisection_engages_and_reuses_cached_boundaries(net):
 
 def test_balanced_bisection_evaluations_closed_form():
     """A chain of L equal linear stages cut into K = 2^d equal leaves, store-all inside every
-    pass: (d + 1)(L + 1) - 2K + 1 stage evaluations per batch (SPEC: ~1 + log2 K passes)."""
+    pass: (d + 1)(L + 1) - 2K + 1 stage evaluations per batch (docs/hessian.md: ~1 + log2 K passes)."""
     L, w = 16, 24
     rng = np.random.default_rng(3)
     stages = [bh.Linear(rng.standard_normal((w, w)) / 5, name=f"l{i}") for i in range(L)]

@@ -1,4 +1,4 @@
-"""The uniform grid of SPEC §5 and its fitting helper."""
+"""The uniform grid (docs/conventions.md, "Quantizers") and its fitting helper."""
 import numpy as np
 import pytest
 

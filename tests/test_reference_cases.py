@@ -64,7 +64,7 @@ def test_reference_rtn_baseline(ref_case, path):
 
 
 def test_ldlq_can_lose_to_rtn_at_two_bits(ref_case):
-    """SPEC §7: at 2 bits with clipping LDLQ can lose to RTN; one case shows it. Report, not hide."""
+    """docs/conventions.md, "Reference cases": at 2 bits with clipping LDLQ can lose to RTN; one case shows it. Report, not hide."""
     worse = []
     for path in REFERENCE_CASES:
         d = ref_case(path)

@@ -1,4 +1,4 @@
-"""Global Hessians: Kronecker factors of the end-to-end loss (SPEC §6).
+"""Global Hessians: Kronecker factors of the end-to-end loss (docs/hessian.md).
 
 A network is a chain of *stages* ending in a *head* (the loss). ``global_factors`` runs the
 chain over calibration batches and returns, for every linear layer, the Kronecker factors

@@ -1,7 +1,8 @@
 """Streaming second moments: the accumulators behind ``H_in`` and ``H_out``.
 
 A :class:`FactorAccumulator` holds ``S = Σ_k w_k y_kᵀ M_k y_k`` (an ``n x n`` symmetric sum,
-float64 by default) and the total weight ``Σ_k w_k``. Two kinds of update cover SPEC §6:
+float64 by default) and the total weight ``Σ_k w_k``. Two kinds of update cover the factors
+of docs/hessian.md ("The mathematics"):
 
 - :meth:`FactorAccumulator.update`: rows ``y_t`` with weights ``w_t`` and coefficients ``c_t``:
   ``S += Σ_t w_t c_t y_t y_tᵀ`` (K-FAC: ``c_t = 1``; per-token refinement:
