@@ -84,9 +84,9 @@ class LlamaConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, cfg: dict, *, tied_default: bool | None = None) -> "LlamaConfig":
+    def from_hf(cls, cfg: dict) -> "LlamaConfig":
         """From a Hugging Face ``config.json`` of ``LlamaForCausalLM`` or
-        ``Qwen3ForCausalLM``."""
+        ``Qwen3ForCausalLM`` (``tie_word_embeddings`` defaults to false, as there)."""
         archs = cfg.get("architectures") or []
         kind = archs[0] if archs else cfg.get("model_type", "?")
         if kind in ("LlamaForCausalLM", "llama"):
@@ -119,9 +119,7 @@ class LlamaConfig:
             eos = cfg.get("eos_token_id")
             if isinstance(eos, list):
                 eos = eos[0] if eos else None
-            tie = cfg.get("tie_word_embeddings")
-            if tie is None:
-                tie = True if tied_default is None else tied_default
+            tie = cfg.get("tie_word_embeddings", False)
             return cls(
                 arch=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=d,
                 intermediate_size=int(cfg["intermediate_size"]),
