@@ -470,3 +470,20 @@ def test_bad_input_errors():
         bh.SwiGLU(np.ones((FF, D)), np.ones((FF, D)), np.ones((FF, D)))
     with pytest.raises(ValueError, match="sequence 1 is empty"):
         bh.pad_batches([[1], []], batch_size=2)
+
+
+def test_layers_selects_what_is_collected():
+    w = _weights(16)
+    batches, _ = bh.pad_batches([[1, 2, 3, 4], [5, 6]], batch_size=2)
+    full, rep_full = bh.global_factors(_chain(w), batches)
+    pick = ["blk.1.attn_k", "blk.0.ffn_down"]
+    got, rep = bh.global_factors(_chain(w), batches, layers=pick)
+    assert list(got) == ["blk.0.ffn_down", "blk.1.attn_k"] and rep.n_layers == 2
+    for key in pick:
+        for a, b in zip(full[key], got[key]):
+            np.testing.assert_array_equal(a, b)
+    assert rep.peak_buffer_bytes < rep_full.peak_buffer_bytes
+    with pytest.raises(ValueError, match="'blk.2.attn_q' not in the chain"):
+        bh.global_factors(_chain(w), batches, layers=["blk.2.attn_q"])
+    with pytest.raises(ValueError, match="list of layer names"):
+        bh.global_factors(_chain(w), batches, layers="blk.0.attn_q")

@@ -563,7 +563,7 @@ def _token_masks(xp, first, batches):
 # the public driver
 # --------------------------------------------------------------------------------------------
 def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
-                snapshots=None, accum_dtype=None) -> dict:
+                snapshots=None, accum_dtype=None, layers=None) -> dict:
     """What :func:`global_factors` would run, without running it.
 
     Returns ``{"leaves": [(start, stop, schedule, snapshots), ...], "splits": [(start, stop,
@@ -571,7 +571,7 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
     the same errors (shapes, budget too small) as :func:`global_factors`.
     """
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, None, "token", 0)
+                 accum_dtype, None, "token", 0, layers)
     nodes = list(_walk(P["plan"]))
     return {"leaves": [(n.start, n.stop, n.schedule, n.snapshots) for n in nodes
                        if isinstance(n, _Leaf)],
@@ -581,7 +581,7 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
 
 
 def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-             accum_dtype, weights, refine, refine_iters):
+             accum_dtype, weights, refine, refine_iters, layers=None):
     stages = list(stages)
     if len(stages) < 2 or not is_head(stages[-1]):
         raise ValueError("stages must be a list of stages ending with a head (e.g. "
@@ -663,6 +663,21 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     names_at, layer_shapes = _layer_names(body)
     if not layer_shapes:
         raise ValueError("the chain holds no linear layers: nothing to collect")
+    skipped = {}
+    if layers is not None:
+        if isinstance(layers, str) or not all(isinstance(n, str) for n in layers):
+            raise ValueError(f"layers must be a list of layer names, got {layers!r}")
+        want = set(layers)
+        unknown = sorted(want - set(layer_shapes))
+        if unknown:
+            some = ", ".join(repr(n) for n in list(layer_shapes)[:4])
+            raise ValueError(f"layers: {', '.join(map(repr, unknown))} not in the chain (its "
+                             f"layers are {some}, ...)")
+        if not want:
+            raise ValueError("layers is empty: name at least one layer to collect")
+        skipped = {n: i for i, names in enumerate(names_at) for n in names if n not in want}
+        names_at = [[n for n in names if n in want] for names in names_at]
+        layer_shapes = {n: v for n, v in layer_shapes.items() if n in want}
 
     dtypes = ([] if ids else [x.dtype for x in batches]) + [
         a.dtype for a in params if xp.isdtype(a.dtype, "real floating")]
@@ -687,13 +702,14 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     plan = planner.plan(0, len(body), 0)
     return dict(xp=xp, body=body, head=head, batches=batches, weights=weights, masks=masks,
                 shapes=shapes,
-                names_at=names_at, layer_shapes=layer_shapes, acc_dtype=acc_dtype, plan=plan,
+                names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
+                acc_dtype=acc_dtype, plan=plan,
                 checkpoint=checkpoint)
 
 
 def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
                    checkpoint="auto", snapshots=None, refine_iters=0, refine="token", seed=0,
-                   weights=None, accum_dtype=None, check_finite=True, sink=None):
+                   weights=None, accum_dtype=None, check_finite=True, sink=None, layers=None):
     """Kronecker factors ``(H_in, H_out)`` of the Fisher for every linear layer of a chain.
 
     Parameters
@@ -732,6 +748,9 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         ``sink(name, H_in, H_out)`` is called as soon as a layer's factors are final, and the
         returned dict stays empty (write factors out instead of keeping them). Without a sink
         nothing is handed out unless the whole run succeeds.
+    layers : list of str, optional
+        Collect only these layers (the backward pass still runs through the whole chain, so
+        their factors are the same as in a full run); default all.
 
     Returns
     -------
@@ -743,7 +762,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     """
     t0 = time.perf_counter()
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, weights, refine, refine_iters)
+                 accum_dtype, weights, refine, refine_iters, layers)
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
@@ -869,6 +888,8 @@ class _Run:
 
             def collect(i, key, x, g, _step=step, _accs=accs):
                 name = key_of(i, key)
+                if P["skipped"].get(name, -1) == i:   # a layer the caller did not ask for
+                    return
                 if owner.get(name) != i:
                     raise ValueError(f"stage {stage_label(P['body'][i], i)} collected a layer "
                                      f"named {name!r} that its linears() does not declare")
