@@ -709,7 +709,8 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
 
 def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
                    checkpoint="auto", snapshots=None, refine_iters=0, refine="token", seed=0,
-                   weights=None, accum_dtype=None, check_finite=True, sink=None, layers=None):
+                   weights=None, accum_dtype=None, check_finite=True, sink=None, layers=None,
+                   kfac_sink=None):
     """Kronecker factors ``(H_in, H_out)`` of the Fisher for every linear layer of a chain.
 
     Parameters
@@ -751,6 +752,10 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     layers : list of str, optional
         Collect only these layers (the backward pass still runs through the whole chain, so
         their factors are the same as in a full run); default all.
+    kfac_sink : callable, optional
+        With ``refine_iters > 0``: ``kfac_sink(name, H_in, H_out)`` receives the K-FAC factors
+        of each layer before they are refined (``H_in`` is then the local ``E[x xᵀ]``), so
+        that one run gives both (no extra pass). Not called without refinement.
 
     Returns
     -------
@@ -772,6 +777,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     eng = _Engine(xp, body, P["head"], int(seed), check_finite)
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
+    run.kfac_sink = kfac_sink
     run.node(P["plan"])
     results = {n: run.results[n] for names in P["names_at"] for n in names if n in run.results}
     report.peak_bytes = ledger.peak_total
@@ -793,6 +799,7 @@ class _Run:
         self.refine, self.iters, self.sink = refine, refine_iters, sink
         self.h_cache, self.d_cache = {}, {}
         self.results = {}
+        self.kfac_sink = None
 
     def _h(self, a, k):
         return self.P["batches"][k] if a == 0 else self.h_cache[a][k]
@@ -933,6 +940,9 @@ class _Run:
                     current[n] = (acc.value(), current[n][1])
                 del acc
             del accs
+            if step == "kfac" and self.iters and self.kfac_sink is not None:
+                for n in names:
+                    self.kfac_sink(n, *current[n])
         self.eng.collect = None   # the closure holds this leaf's factors: let them go
         for n in names:
             if self.sink is not None:
