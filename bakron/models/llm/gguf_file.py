@@ -151,7 +151,7 @@ def read_gguf(path, *, dtype="float32", tokenizer: bool = True) -> GGUFModel:
         except Exception as exc:
             raise ModelUnavailableError(f"{source}: tensor {t.name!r} is unreadable ({exc}); "
                                         f"the file is corrupt or truncated") from None
-        W = np.asarray(W, dtype=dtype)
+        W = np.array(W, dtype=dtype)   # a copy: F32 tensors are views of the memory map
         if cfg.arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             W = unpermute_rows(W, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
         weights[t.name] = np.ascontiguousarray(W)

