@@ -210,7 +210,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         layers=None, n_calibration: int | None = None, n_heldout: int | None = None,
         max_tokens: int | None = None, lee: bool | None = None, group_size: int = 64,
         tile=None, damp: float = 0.01, refine_iters: int = 1, refine: str = "sequence",
-        budget_bytes: int | None = None, batch_size: int = 16, cache=None, wheel=None,
+        budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool = True,
         blas_threads: int | None = 1) -> dict:
     """Quantize a causal LM's linear layers and write a report (``bakron demo``).
@@ -231,8 +231,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
     bits : sequence of int
         Bit widths (2..8) of the grid.
     quick : bool
-        The test variant: the layers of :func:`quick_layers` (first and last block), 16
-        calibration and 16 held-out sentences of the Language Reference, no Lee corpus (each
+        The test variant: the layers of :func:`quick_layers` (first and last block), 8
+        calibration and 8 held-out sentences of the Language Reference, no Lee corpus (each
         overridable by the arguments below).
     methods : sequence of str
         Any of ``"rtn"``, ``"ldlq"``, ``"global"``, ``"local_in"`` (see :data:`METHODS`).
@@ -240,12 +240,12 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         Linear layers to quantize (``"blk.{i}.attn_q"`` ...); default all (the others stay
         float32).
     n_calibration : int, optional
-        Calibration sentences (default 128).
+        Calibration sentences (default 64, about 1600 tokens).
     n_heldout : int, optional
         Evaluation texts: Lee documents (default 16) or, without Lee, held-out sentences
-        (default 128).
+        (default 48).
     max_tokens : int, optional
-        Truncate every evaluation text to this many tokens (default 128).
+        Truncate every evaluation text to this many tokens (default 64).
     lee : bool, optional
         Evaluate on the Lee corpus (default: yes unless ``quick``); when it cannot be fetched
         the held-out Language Reference sentences are used and the report says why.
@@ -369,7 +369,8 @@ class _Run:
             self.lm = load_llm(self.model, xp=xp, cache=self.cache, wheel=self.wheel,
                                progress=self.progress)
         else:
-            self.model_name = getattr(self.model, "name", type(self.model).__name__)
+            self.model_name = (getattr(self.model, "source", "") or
+                               f"a {type(self.model).__name__} object")
             self.lm = self.model
         all_names = list(self.lm.linear_names())
         if self.layers is None:
@@ -384,7 +385,7 @@ class _Run:
                                  f"attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)")
         self.names = names
         use_lee = (not self.quick) if self.lee is None else bool(self.lee)
-        n_cal = self.n_calibration or (16 if self.quick else 128)
+        n_cal = self.n_calibration or (8 if self.quick else 64)
         lee_docs, self.lee_note, self.lee_source = None, "not requested", None
         if use_lee:
             try:
@@ -395,7 +396,7 @@ class _Run:
                 self.lee_note = f"unavailable ({exc})"
                 log(self.progress, f"      Lee corpus {self.lee_note}; evaluating on held-out "
                                    f"Language Reference sentences instead")
-        n_held = self.n_heldout or (16 if lee_docs is not None else (16 if self.quick else 128))
+        n_held = self.n_heldout or (8 if self.quick else (16 if lee_docs is not None else 48))
         cal, held = calibration_and_heldout(n_cal, 0 if lee_docs is not None else n_held,
                                             seed=self.seed)
         if lee_docs is not None:
@@ -408,7 +409,7 @@ class _Run:
         else:
             self.eval_source = (f"{n_held} held-out sentences of the Python Language "
                                 f"Reference (topics never used for calibration)")
-        max_tok = self.max_tokens or 128
+        max_tok = self.max_tokens or 64
         self.cal_seqs = [s for s in self.lm.tokenize(cal) if s]
         eval_seqs = [s[:max_tok] for s in self.lm.tokenize(held)]
         eval_seqs = [s for s in eval_seqs if len(s) >= 2]
@@ -625,8 +626,9 @@ class _Run:
             "grid": {"symmetric": False, "scale": "minmax", "group_size": self.group_size},
             "refine_iters": self.refine_iters, "refine": self.refine,
             "budget_bytes": self.budget_bytes, "seed": self.seed,
-            "command": "bakron demo --model smollm2" + (" --quick" if self.quick else "")
-            + (" --device gpu" if self.dev == "gpu" else ""),
+            "command": (f"bakron demo --model {self.model_name}" if self.model_name == "smollm2"
+                        else f"bakron.demo.llm.run(model={self.model_name!r})")
+            + (" --quick" if self.quick else "") + (" --device gpu" if self.dev == "gpu" else ""),
             "config": {k: getattr(cfg, k) for k in ("arch", "num_layers", "hidden_size",
                                                      "intermediate_size", "num_heads",
                                                      "num_kv_heads", "head_dim", "vocab_size")
