@@ -375,6 +375,9 @@ def test_hf_folder_errors(tmp_path):
                                                                         "factor": 4.0}})
     with pytest.raises(UnsupportedModelError, match="yarn"):
         load_llm(tmp_path / "yarn")
+    write_hf_folder(tmp_path / "swa", cfg, w, extra={"use_sliding_window": True})
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        load_llm(tmp_path / "swa")
     no_head = {k: v for k, v in w.items() if k != "output.weight"}
     write_hf_folder(tmp_path / "nohead", cfg, no_head)
     with pytest.raises(ModelUnavailableError, match="lm_head"):
@@ -417,6 +420,7 @@ def test_batched_right_padding_equals_one_sequence_at_a_time(tiny_lm):
 
 def test_model_api_and_errors(tiny_lm):
     lm, cfg = tiny_lm
+    assert "llama, 2 blocks" in repr(lm)
     names = lm.linear_names()
     assert len(names) == 7 * cfg.num_layers and names[0] == "blk.0.attn_q"
     assert names[-1] == "blk.1.ffn_down"

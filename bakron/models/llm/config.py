@@ -109,6 +109,9 @@ class LlamaConfig:
             else:
                 rope_scaling = tuple(sorted((k, v) for k, v in rope_scaling.items()
                                             if isinstance(v, (int, float, str))))
+        if cfg.get("use_sliding_window"):
+            raise UnsupportedModelError("config.json sets use_sliding_window=true; only full "
+                                        "causal attention is implemented")
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
                 raise UnsupportedModelError(f"config.json sets {key}=true; biases are not "

@@ -70,6 +70,13 @@ class CausalLM:
                         if k in _wanted(config)}
         self._body = self._build_body()
 
+    def __repr__(self):
+        c = self.config
+        return (f"CausalLM({c.arch}, {c.num_layers} blocks, d={c.hidden_size}, "
+                f"heads={c.num_heads}/{c.num_kv_heads}, vocab={c.vocab_size}, {self.dtype}, "
+                f"xp={getattr(self.xp, '__name__', self.xp)}"
+                + (f", source={self.source!r})" if self.source else ")"))
+
     # -- construction --------------------------------------------------------------------
     def _convert(self, a, dt):
         xp = self.xp
