@@ -48,8 +48,8 @@ def _evals(stages, batches, plan, refine_iters=0):
     return total * len(batches)
 
 
-def sweep(stages, batches, *, accum_dtype=None, fractions=(0.8, 0.6, 0.45, 0.3, 0.2, 0.15,
-                                                             0.1, 0.07, 0.05),
+def sweep(stages, batches, *, accum_dtype=None,
+          fractions=tuple(np.geomspace(0.9, 0.03, 18)),
           snapshots=(2, 3, 4, 6, 8, 12, 16, 24, 32)):
     """Rows ``{"schedule", "budget", "peak", "evals", "recompute", "passes", "leaves"}``:
     store-all, bisection and binomial (fixed snapshots) inside one layer range, and the
@@ -74,11 +74,15 @@ def sweep(stages, batches, *, accum_dtype=None, fractions=(0.8, 0.6, 0.45, 0.3, 
     for s in snapshots:
         if s < L:
             rows.append(row("binomial", big, checkpoint="binomial", snapshots=s))
+    seen = set()
     for f in fractions:
         try:
-            rows.append(row("auto", int(f * top)))
+            r = row("auto", int(f * top))
         except ValueError:           # too small for any plan
-            break
+            continue
+        if (r["peak"], r["evals"]) not in seen:      # one row per distinct plan
+            seen.add((r["peak"], r["evals"]))
+            rows.append(r)
     return rows
 
 
