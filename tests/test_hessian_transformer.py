@@ -487,3 +487,5 @@ def test_layers_selects_what_is_collected():
         bh.global_factors(_chain(w), batches, layers=["blk.2.attn_q"])
     with pytest.raises(ValueError, match="list of layer names"):
         bh.global_factors(_chain(w), batches, layers="blk.0.attn_q")
+
+

@@ -560,23 +560,27 @@ class LMHead:
         n = Z.shape[0]
         step = self.rows_per_chunk(xp.finfo(z.dtype).bits // 8)
         V = self.W_out.shape[0]
-        classes = xp.arange(V, dtype=xp.int64, device=dev)
         parts = []
-        for s in range(0, n, step):
+        for s in range(0, n, step):   # (p - onehot(y)) W = p W - W[y]: no one-hot matrix
             e = min(n, s + step)
             p = _softmax(xp, Z[s:e, ...] @ self.W_out.T)
             if given is None:
                 cdf = xp.cumulative_sum(xp.astype(p, xp.float64), axis=-1)
-                y = xp.sum(xp.astype(cdf < u[s:e, None], xp.int64), axis=-1)
-                y = xp.minimum(y, xp.asarray(V - 1, dtype=xp.int64, device=dev))
+                below = xp.astype(cdf < u[s:e, None], xp.int8)
                 del cdf
+                y = xp.sum(below, axis=-1, dtype=xp.int64)
+                del below
+                y = xp.minimum(y, xp.asarray(V - 1, dtype=xp.int64, device=dev))
             else:
                 y = given[s:e]
-            r = p - xp.astype(y[:, None] == classes, p.dtype)
+                y = xp.where(y >= 0, y, xp.zeros_like(y))
             if keep is not None:
-                r = r * xp.astype(keep[s:e], r.dtype)[:, None]
-            parts.append(r @ self.W_out)
-            del p, r
+                k = xp.astype(keep[s:e], p.dtype)[:, None]
+                g = (p * k) @ self.W_out - xp.take(self.W_out, y, axis=0) * k
+            else:
+                g = p @ self.W_out - xp.take(self.W_out, y, axis=0)
+            del p
+            parts.append(g)
         g = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
         return xp.reshape(g, tuple(z.shape))
 
@@ -600,8 +604,10 @@ class LMHead:
 
 
 def _softmax(xp, a):
-    e = xp.exp(a - xp.max(a, axis=-1, keepdims=True))
-    return e / xp.sum(e, axis=-1, keepdims=True)
+    """Softmax over the last axis, holding at most two arrays of ``a``'s size at a time."""
+    a = a - xp.max(a, axis=-1, keepdims=True)
+    a = xp.exp(a)
+    return a / xp.sum(a, axis=-1, keepdims=True)
 
 
 def _log_softmax(xp, a):
