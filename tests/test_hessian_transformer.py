@@ -87,6 +87,7 @@ def _stage_cases():
         "rmsnorm": lambda: bh.RMSNorm(w["blk.0.attn_norm.weight"], eps=EPS),
         "attention": lambda: _attention(w, 0),
         "attention_qk_norm": lambda: _attention(wq, 0),
+        "attention_one_sequence_at_a_time": lambda: _chunked(_attention(wq, 0)),
         "attention_mha": lambda: bh.Attention(*(np.random.default_rng(3).standard_normal(s)
                                                 for s in ((8, D), (8, D), (8, D), (D, 8))),
                                               num_heads=2, num_kv_heads=2, head_dim=4,
@@ -94,6 +95,11 @@ def _stage_cases():
         "swiglu": lambda: bh.SwiGLU(w["blk.0.ffn_gate.weight"], w["blk.0.ffn_up.weight"],
                                     w["blk.0.ffn_down.weight"]),
     }
+
+
+def _chunked(stage):
+    stage.score_bytes = 1       # the scores of one sequence at a time
+    return stage
 
 
 def _to(xp, stage):
@@ -489,3 +495,19 @@ def test_layers_selects_what_is_collected():
         bh.global_factors(_chain(w), batches, layers="blk.0.attn_q")
 
 
+
+
+@pytest.mark.parametrize("refine", ["token", "sequence"])
+def test_refinement_with_padding_equals_unpadded(refine):
+    """Padded positions drop out of the refinement steps too: a padded batch gives the factors
+    of the same texts without padding (each alone in its batch)."""
+    w = _weights(20)
+    rng = np.random.default_rng(21)
+    seqs = [list(rng.integers(0, V, size=n)) for n in (5, 2, 4)]
+    padded, order = bh.pad_batches(seqs, batch_size=3)
+    alone = [np.asarray([seqs[i]]) for i in order[0]]
+    a, _ = bh.global_factors(_chain(w), padded, refine_iters=1, refine=refine)
+    b, _ = bh.global_factors(_chain(w), alone, refine_iters=1, refine=refine)
+    for key in a:
+        for x, y in zip(a[key], b[key]):
+            np.testing.assert_allclose(x, y, rtol=1e-9, atol=1e-14 * np.abs(y).max())

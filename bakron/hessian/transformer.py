@@ -252,6 +252,9 @@ class Attention:
             raise ValueError(f"{own}: eps must be > 0, got {eps!r}")
         if len(names) != 4:
             raise ValueError(f"{own}: names must hold 4 names (q, k, v, output)")
+        if isinstance(score_bytes, bool) or int(score_bytes) != score_bytes or score_bytes < 1:
+            raise ValueError(f"{own}: score_bytes must be a positive integer, got "
+                             f"{score_bytes!r}")
         self.Wq, self.Wk, self.Wv, self.Wo = Wq, Wk, Wv, Wo
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, float(eps)
         self.H, self.K, self.hd, self.d = H, K, hd, d
@@ -259,6 +262,7 @@ class Attention:
         self.names = tuple(names)
         self.name = None
         self.score_bytes = int(score_bytes)
+        self._rope_cache = None
 
     def linears(self):
         return {n: tuple(W.shape) for n, W in zip(self.names, (self.Wq, self.Wk, self.Wv,
@@ -275,6 +279,13 @@ class Attention:
         return tuple(in_shape)
 
     # -- pieces --------------------------------------------------------------------------
+    def _rope(self, xp, T, dtype, device):
+        """cos/sin tables for positions 0..T-1 (the last ones are kept for the next call)."""
+        key = (T, str(dtype), str(device))
+        if self._rope_cache is None or self._rope_cache[0] != key:
+            self._rope_cache = (key, _rope_tables(xp, self.inv_freq, T, dtype, device))
+        return self._rope_cache[1]
+
     def _heads(self, xp, y, n):
         """(B, T, n·hd) → (B, n, T, hd)."""
         B, T, _ = y.shape
@@ -300,7 +311,7 @@ class Attention:
             k = _rms_forward(xp, k_pre, self.k_norm, self.eps)[0]
         else:
             q, k = q_pre, k_pre
-        cos, sin = _rope_tables(xp, self.inv_freq, T, x.dtype, _xp.device(x))
+        cos, sin = self._rope(xp, T, x.dtype, _xp.device(x))
         q = q * cos + _rotate_half(xp, q) * sin
         k = k * cos + _rotate_half(xp, k) * sin
         return q_pre, k_pre, q, k, v, (cos, sin)
@@ -341,16 +352,14 @@ class Attention:
         B, _, T, hd = q.shape
         rep = self.H // self.K
         scale = 1.0 / math.sqrt(hd)
-        O = self._attend(xp, q, k, v)
-        collect(n_o, self._merge(xp, O), delta)
-        del O
         dO = self._heads(xp, _lin_t(xp, delta, self.Wo), self.H)
-        dq, dk, dv = [], [], []
+        O, dq, dk, dv = [], [], [], []
         step = self._chunk(B, T, xp.finfo(q.dtype).bits // 8)
         for s in range(0, B, step):
             b = min(step, B - s)
             qs, ks, vs = q[s:s + b, ...], k[s:s + b, ...], v[s:s + b, ...]
             P = self._probs(xp, qs, ks)                                  # (b, K, rep, T, T)
+            O.append(xp.reshape(P @ vs[:, :, None, ...], (b, self.H, T, hd)))
             dOg = xp.reshape(dO[s:s + b, ...], (b, self.K, rep, T, hd))
             dv.append(xp.sum(xp.permute_dims(P, (0, 1, 2, 4, 3)) @ dOg, axis=2))
             dP = dOg @ xp.permute_dims(vs, (0, 1, 3, 2))[:, :, None, ...]
@@ -361,6 +370,8 @@ class Attention:
             dk.append(xp.sum(xp.permute_dims(dS, (0, 1, 2, 4, 3)) @ qg, axis=2))
             del dS
         cat = (lambda a: a[0] if len(a) == 1 else xp.concat(a, axis=0))
+        collect(n_o, self._merge(xp, cat(O)), delta)
+        del O, dO
         dq, dk, dv = cat(dq), cat(dk), cat(dv)
         # back through the rotation (q_r = q cos + R(q) sin) and the optional q/k norm
         dq = dq * cos + _rotate_half_t(xp, dq * sin)
