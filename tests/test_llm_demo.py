@@ -127,8 +127,10 @@ def test_tiny_demo_figures(tiny_run):
     h = res["hessian"]
     assert h["passes"] == 3 and h["n_layers"] == 21     # K-FAC + one refinement step
     # every method minimises its own proxy: under the global factors the two-sided results beat
-    # RTN on average, and LDLQ beats RTN under the local H_in
-    for b in (2, 4):
+    # RTN on average, and LDLQ beats RTN under the local H_in (proxies at the middle width)
+    assert res["proxy_bits"] == 4
+    assert all("proxy" not in r["bits"][2]["rtn"] for r in res["layers"].values())
+    for b in (4,):
         ratio = {m: np.mean([r["bits"][b][m]["proxy"]["global"]
                              / r["bits"][b]["rtn"]["proxy"]["global"]
                              for r in res["layers"].values()]) for m in ("global", "local_in")}
@@ -216,6 +218,7 @@ def test_quick_layers():
     ({"bits": (1,)}, "bits"),
     ({"tile": (0, 1)}, "tile"),
     ({"layers": ["blk.0.attn_x"]}, "unknown layer"),
+    ({"proxies": 5}, "proxies must be"),
 ])
 def test_bad_arguments(tmp_path, kw, match):
     args = dict(model=_tiny_lm(), device="cpu", n_calibration=4, n_heldout=4, lee=False,

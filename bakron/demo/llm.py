@@ -127,6 +127,17 @@ class _EvalSet:
         self.predicted = int(sum(len(s) - 1 for s in seqs))
 
 
+def _proxy_bits(proxies, bits):
+    if proxies is False or proxies is None:
+        return None
+    if proxies is True:
+        return sorted(bits)[len(bits) // 2]
+    if isinstance(proxies, bool) or not isinstance(proxies, int) or proxies not in bits:
+        raise ValueError(f"proxies must be True, False or one of bits {tuple(bits)}, got "
+                         f"{proxies!r}")
+    return proxies
+
+
 def _sem(x) -> float:
     """Standard error of the mean of ``x`` (NaN for fewer than 2 values)."""
     x = np.asarray(x, dtype=np.float64)
@@ -211,7 +222,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         max_tokens: int | None = None, lee: bool | None = None, group_size: int = 64,
         tile=None, damp: float = 0.01, refine_iters: int = 1, refine: str = "sequence",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
-        seed: int = 0, accum_dtype: str = "float32", proxies: bool = True,
+        seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
         blas_threads: int | None = 1) -> dict:
     """Quantize a causal LM's linear layers and write a report (``bakron demo``).
 
@@ -271,8 +282,9 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
     accum_dtype : {"float32", "float64"}
         Accumulation dtype of the factors (float32 halves the driver's buffers and the time of
         its GEMMs; the factors are prepared in float64 either way).
-    proxies : bool
-        Per-layer proxy errors of every method (a few GEMMs per layer and method).
+    proxies : bool or int
+        Per-layer proxy errors of every method (three GEMMs per layer and method) at one bit
+        width: ``True`` the middle of ``bits``, an int that width, ``False`` none.
     blas_threads : int or None
         BLAS threads on the CPU during the run (``threadpoolctl``); ``None`` leaves the
         library default.
@@ -317,7 +329,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
                     lee=lee, group_size=group_size, tile=tile, damp=damp,
                     refine_iters=refine_iters, refine=refine, budget_bytes=budget_bytes,
                     batch_size=batch_size, cache=cache, wheel=wheel, seed=seed,
-                    accum_dtype=accum_dtype, proxies=proxies).go()
+                    accum_dtype=accum_dtype,
+                    proxy_bits=_proxy_bits(proxies, bits)).go()
 
 
 class _Run:
@@ -490,13 +503,13 @@ class _Run:
             self.count += 1
             r = self.rows[name]
             if self.progress:
-                b = self.bits[-1]
+                b = self.proxy_bits
                 log(True, f"      [{self.count:3d}/{len(self.names)}] {name:18s} "
                           f"{r['shape'][0]:5d}x{r['shape'][1]:<5d} "
                           f"{time.perf_counter() - t0:5.2f} s" + (
-                              f"   {b} bits proxy (global) " + "/".join(
-                                  f"{r['bits'][b][m]['proxy']['global']:.3f}"
-                                  for m in self.methods) if self.proxies else ""))
+                              f"   {b} bits, proxy under the global factors " + " / ".join(
+                                  f"{r['bits'][b][m]['proxy']['global']:.2e}"
+                                  for m in self.methods) if b is not None else ""))
 
         self.clock.start()
         acc = getattr(xp, self.accum_dtype)
@@ -539,7 +552,7 @@ class _Run:
             if k[0] == id(H_loc):
                 self.local_prepared[k] = v
         metric = _Proxy(xp, W, {"global": (H_g, Ho_g), "local": (H_loc, None)}) \
-            if self.proxies else None
+            if self.proxy_bits is not None else None
         for b in self.bits:
             qz = UniformQuantizer.fit(W, b, **self.grid_kw(b))
             self.quantizers[(name, b)] = qz
@@ -566,7 +579,7 @@ class _Run:
                             "engine": res.engine}
                     done[key] = meth
                 self.codes[(name, b, meth)] = _codes_u8(xp, codes, qz)
-                if metric is not None:
+                if metric is not None and b == self.proxy_bits:
                     info["proxy"] = {k: metric(values, k) for k in ("global", "local")}
                 figs[meth] = info
             row["bits"][b] = figs
@@ -625,6 +638,7 @@ class _Run:
             "damp": self.damp,
             "grid": {"symmetric": False, "scale": "minmax", "group_size": self.group_size},
             "refine_iters": self.refine_iters, "refine": self.refine,
+            "proxy_bits": self.proxy_bits,
             "budget_bytes": self.budget_bytes, "seed": self.seed,
             "command": (f"bakron demo --model {self.model_name}" if self.model_name == "smollm2"
                         else f"bakron.demo.llm.run(model={self.model_name!r})")
@@ -880,13 +894,13 @@ def _plots(res) -> tuple[bytes, bytes | None]:
     plt.close(fig)
 
     names = list(res["layers"])
-    first = res["layers"][names[0]]["bits"][bits[0]] if names else {}
-    if "rtn" not in meths or not names or "proxy" not in first.get("rtn", {}):
+    if "rtn" not in meths or not names or res.get("proxy_bits") is None:
         return q_png, None
-    fig, axes = plt.subplots(len(bits), 1, figsize=(max(8, 0.06 * len(names) + 4),
-                                                    2.6 * len(bits)), squeeze=False)
+    pb = [res["proxy_bits"]]
+    fig, axes = plt.subplots(len(pb), 1, figsize=(max(8, 0.06 * len(names) + 4),
+                                                  1.2 + 2.6 * len(pb)), squeeze=False)
     x = np.arange(len(names))
-    for ax, b in zip(axes[:, 0], bits):
+    for ax, b in zip(axes[:, 0], pb):
         for m in meths:
             if m == "rtn":
                 continue
