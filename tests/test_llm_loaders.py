@@ -363,6 +363,41 @@ def test_hf_folder_llama3_rope_scaling(tmp_path):
     assert np.abs(np.asarray(lm.logits(ids)) - np.asarray(plain.logits(ids))).max() > 1e-4
 
 
+def test_gguf_llama3_rope_freqs_equal_hf_rope_scaling(tmp_path):
+    """llama.cpp stores Llama 3's RoPE stretch as one divisor per frequency (rope_freqs);
+    the forward equals the HF folder's rope_scaling."""
+    cfg = tiny_config()
+    w = tiny_weights(cfg, seed=7)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hd = cfg.head_dim
+    freqs = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
+    lo_wave, hi_wave = 64 / 1.0, 64 / 4.0
+    factors = []
+    for f in freqs:            # the divisors as llama.cpp's convert script derives them
+        wave = 2 * math.pi / f
+        if wave < hi_wave:
+            factors.append(1.0)
+        elif wave > lo_wave:
+            factors.append(8.0)
+        else:
+            smooth = (64 / wave - 1.0) / (4.0 - 1.0)
+            factors.append(1.0 / ((1 - smooth) / 8.0 + smooth))
+    assert 1.0 in factors and 8.0 in factors and len(set(factors)) == 3   # all three regimes
+    rope = np.asarray(factors, dtype=np.float32)
+    write_gguf(tmp_path / "m.gguf", cfg, w, extra_tensors={
+        "rope_freqs.weight": (rope, gguf.GGMLQuantizationType.F32)})
+    write_hf_folder(tmp_path / "hf", cfg, w, extra={"rope_scaling": scaling})
+    g = load_llm(tmp_path / "m.gguf", dtype="float64")
+    h = load_llm(tmp_path / "hf", dtype="float64")
+    assert g.config.rope_freq_factors == tuple(float(f) for f in rope)
+    assert "rope_freqs.weight" not in g.weights
+    ids = list(range(1, 40))
+    np.testing.assert_allclose(np.asarray(g.logits(ids)), np.asarray(h.logits(ids)), atol=1e-5)
+    plain = CausalLM(cfg, w, dtype="float64")
+    assert np.abs(np.asarray(g.logits(ids)) - np.asarray(plain.logits(ids))).max() > 1e-4
+
+
 def test_hf_folder_errors(tmp_path):
     cfg = tiny_config(tied=False)
     w = tiny_weights(cfg)

@@ -30,7 +30,8 @@ class LlamaConfig:
     q and k before RoPE: ``qk_norm``). ``head_dim`` may differ from
     ``hidden_size / num_heads`` (Qwen3). ``max_positions`` is the context length.
     ``rope_scaling`` holds Llama 3's frequency stretch (``rope_type = "llama3"``) when the
-    model uses it.
+    model uses it; a GGUF file stores the same stretch as one divisor per rotary frequency
+    (``rope_freq_factors``, llama.cpp's ``rope_freqs`` tensor).
     """
 
     arch: str
@@ -49,6 +50,7 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_id: int | None = None
     rope_scaling: tuple | None = None   # sorted (key, value) pairs of HF's rope_scaling
+    rope_freq_factors: tuple | None = None   # llama.cpp's rope_freqs: inv_freq_i / factor_i
 
     def rope_scaling_dict(self) -> dict | None:
         """``rope_scaling`` as the dict :func:`bakron.hessian.rope_inv_freq` takes."""
@@ -71,6 +73,13 @@ class LlamaConfig:
         if not self.rope_theta > 0 or not self.rms_eps > 0:
             raise ValueError(f"LlamaConfig: rope_theta and rms_eps must be > 0, got "
                              f"{self.rope_theta!r} and {self.rms_eps!r}")
+        if self.rope_freq_factors is not None and (
+                len(self.rope_freq_factors) != self.head_dim // 2
+                or not all(f > 0 for f in self.rope_freq_factors)):
+            raise ValueError(f"LlamaConfig.rope_freq_factors must hold head_dim/2 = "
+                             f"{self.head_dim // 2} positive numbers")
+        if self.rope_scaling is not None and self.rope_freq_factors is not None:
+            raise ValueError("LlamaConfig: give rope_scaling or rope_freq_factors, not both")
         if self.qk_norm != (self.arch == "qwen3"):
             raise ValueError(f"LlamaConfig: qk_norm={self.qk_norm} does not match arch "
                              f"{self.arch!r} (only qwen3 has the per-head q/k norm)")

@@ -71,15 +71,16 @@ _BIG = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_
         "tokenizer.ggml.scores")
 
 
-def _config(meta: dict, names: set, n_tokens: int, source: str) -> LlamaConfig:
+def _config(meta: dict, names: set, n_tokens: int, source: str,
+            freq_factors=None) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen3"):
         raise UnsupportedModelError(f"{source}: architecture {arch!r} is not supported (only "
                                     f"llama and qwen3)")
-    if "rope_freqs.weight" in names or meta.get(f"{arch}.rope.scaling.type", "none") not in (
-            "none", None):
-        raise UnsupportedModelError(f"{source}: RoPE scaling (rope_freqs / "
-                                    f"{arch}.rope.scaling.type) is not implemented")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) and not (scaling == "llama3" and freq_factors is not None):
+        raise UnsupportedModelError(f"{source}: RoPE scaling {scaling!r} is not implemented "
+                                    f"(only Llama 3's, stored as the rope_freqs tensor)")
 
     def get(key, default=None):
         full = f"{arch}.{key}"
@@ -101,8 +102,22 @@ def _config(meta: dict, names: set, n_tokens: int, source: str) -> LlamaConfig:
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in names, qk_norm=(arch == "qwen3"),
         max_positions=int(get("context_length", 2048)),
+        rope_freq_factors=None if freq_factors is None else tuple(
+            float(f) for f in np.asarray(freq_factors, dtype=np.float64).reshape(-1)),
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_id=meta.get("tokenizer.ggml.eos_token_id"))
+
+
+def _dequantize(dequantize, t, source):
+    try:
+        return dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise UnsupportedModelError(
+            f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which the gguf "
+            f"package cannot de-quantize") from None
+    except Exception as exc:
+        raise ModelUnavailableError(f"{source}: tensor {t.name!r} is unreadable ({exc}); "
+                                    f"the file is corrupt or truncated") from None
 
 
 def read_gguf(path, *, dtype="float32", tokenizer: bool = True) -> GGUFModel:
@@ -139,19 +154,17 @@ def read_gguf(path, *, dtype="float32", tokenizer: bool = True) -> GGUFModel:
                                         f"the file is corrupt") from None
     names = {t.name for t in reader.tensors}
     tokens = big.get("tokenizer.ggml.tokens") or []
-    cfg = _config(meta, names, len(tokens), source)
+    factors = None
+    for t in reader.tensors:   # Llama 3's RoPE stretch: one divisor per rotary frequency
+        if t.name == "rope_freqs.weight":
+            factors = _dequantize(dequantize, t, source)
+    cfg = _config(meta, names, len(tokens), source, factors)
     weights = {}
     for t in reader.tensors:
-        try:
-            W = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise UnsupportedModelError(
-                f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which the gguf "
-                f"package cannot de-quantize") from None
-        except Exception as exc:
-            raise ModelUnavailableError(f"{source}: tensor {t.name!r} is unreadable ({exc}); "
-                                        f"the file is corrupt or truncated") from None
-        W = np.array(W, dtype=dtype)   # a copy: F32 tensors are views of the memory map
+        if t.name == "rope_freqs.weight":
+            continue
+        # np.array copies: F32 tensors come back as views of the memory map
+        W = np.array(_dequantize(dequantize, t, source), dtype=dtype)
         if cfg.arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             W = unpermute_rows(W, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
         weights[t.name] = np.ascontiguousarray(W)

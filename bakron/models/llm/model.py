@@ -103,6 +103,9 @@ class CausalLM:
                 q_norm=w.get(b + "attn_q_norm.weight"), k_norm=w.get(b + "attn_k_norm.weight"),
                 eps=c.rms_eps, rope_scaling=c.rope_scaling_dict(),
                 names=LINEAR_KINDS[:4])
+            if c.rope_freq_factors is not None:   # llama.cpp's form of Llama 3's RoPE stretch
+                attn.inv_freq = (attn.inv_freq / np.asarray(c.rope_freq_factors,
+                                                            dtype=np.float32)).astype(np.float32)
             body.append(Residual([RMSNorm(w[b + "attn_norm.weight"], eps=c.rms_eps,
                                           name=b + "attn_norm"), attn], name=f"blk.{i}"))
             ffn = SwiGLU(w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"],
