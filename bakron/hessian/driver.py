@@ -904,6 +904,14 @@ class _Run:
                 m, n = P["layer_shapes"][name]
                 lead = tuple(x.shape[:-1])
                 w_tok = _token_weights(xp, state["w"], lead, state["mask"])
+                mask = state["mask"]
+                if (mask is not None and tuple(mask.shape) == lead
+                        and (_step == "kfac" or self.refine == "token")):
+                    # padded rows have weight 0: leave them out of the products altogether
+                    sel = xp.reshape(mask, (-1,))
+                    x = xp.reshape(x, (-1, n))[sel]
+                    g = xp.reshape(g, (-1, m))[sel]
+                    w_tok = None if state["w"] is None else w_tok[sel]
                 if _step == "kfac":
                     _accs[name][0]._update(xp, x, w_tok)
                     _accs[name][1]._update(xp, g, w_tok)
