@@ -103,6 +103,8 @@ def test_tiny_demo_writes_its_files_atomically(tiny_run):
     assert names == ["llm_layers.png", "llm_quality.png", "llm_report.md", "llm_results.json"]
     on_disk = json.loads((out / "llm_results.json").read_text())
     assert on_disk["summary"] == json.loads(json.dumps(res["summary"]))
+    q_png, p_png = demo._plots(demo._from_json(on_disk))      # figures redrawn from the JSON
+    assert q_png[:4] == p_png[:4] == b"\x89PNG"
     md = (out / "llm_report.md").read_text()
     for needle in ("the original model", "per group of 64 inputs", "Time and memory per phase",
                    "What the numbers say", "KL(original ‖ quantized)", "hessians_and_solves"):

@@ -952,30 +952,41 @@ def _plots(res) -> tuple[bytes, bytes | None]:
     names = list(res["layers"])
     if "rtn" not in meths or not names or res.get("proxy_bits") is None:
         return q_png, None
-    pb = [res["proxy_bits"]]
-    fig, axes = plt.subplots(len(pb), 1, figsize=(max(8, 0.06 * len(names) + 4),
-                                                  1.2 + 2.6 * len(pb)), squeeze=False)
+    b = res["proxy_bits"]
+    metrics = (("global", "under the global factors  tr(E H_I Eᵀ H_O)"),
+               ("local", "under the local input covariance  tr(E H_I Eᵀ)"))
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(max(8, 0.06 * len(names) + 4), 6.4),
+                             squeeze=False)
     x = np.arange(len(names))
-    for ax, b in zip(axes[:, 0], pb):
+    for ax, (metric, title) in zip(axes[:, 0], metrics):
         for m in meths:
             if m == "rtn":
                 continue
-            y = [res["layers"][n]["bits"][b][m]["proxy"]["global"]
-                 / max(res["layers"][n]["bits"][b]["rtn"]["proxy"]["global"], 1e-30)
+            y = [res["layers"][n]["bits"][b][m]["proxy"][metric]
+                 / max(res["layers"][n]["bits"][b]["rtn"]["proxy"][metric], 1e-30)
                  for n in names]
             ax.plot(x, y, ".", ms=4, color=_COLORS[m], label=METHODS[m])
         ax.axhline(1.0, color="black", lw=0.8, ls=":")
-        ax.set_ylabel(f"{b} bits\nproxy / RTN's")
+        ax.set_yscale("log")
+        ax.set_ylabel("proxy / RTN's")
+        ax.set_title(f"{b} bits, {title}", fontsize=9)
         step = max(1, len(names) // 30)
         ax.set_xticks(x[::step], [n.replace("blk.", "") for n in names[::step]], rotation=90,
                       fontsize=6)
     axes[0, 0].legend(fontsize=7, ncol=3)
-    fig.suptitle("per-layer proxy error under the global factors tr(E H_I Eᵀ H_O), relative "
-                 "to RTN's (lower is better)", fontsize=10)
+    fig.suptitle("per-layer proxy error relative to RTN's under the same factors (lower is "
+                 "better)", fontsize=10)
     fig.tight_layout()
     p_png = png(fig)
     plt.close(fig)
     return q_png, p_png
+
+
+def _from_json(res: dict) -> dict:
+    """A result read back from ``llm_results.json`` (bit widths are keys there: strings)."""
+    for row in res["layers"].values():
+        row["bits"] = {int(k): v for k, v in row["bits"].items()}
+    return res
 
 
 def _write(out: Path, res) -> list[Path]:
