@@ -1,4 +1,4 @@
-"""The MiniLM-L6 demo (``bakron demo``, the default model).
+"""The MiniLM-L6 demo (``bakron demo --model minilm``).
 
 Quantizes the 36 linear layers of the all-MiniLM-L6-v2 sentence encoder (numpy/cupy forward
 pass of :mod:`bakron.models.minilm`) at each bit width with
@@ -104,7 +104,7 @@ def run(out_dir="bakron-demo-minilm", *, device: str = "auto", bits=(2, 3, 4),
         group_size: int | None = None,
         batch_size: int = 32, cache=None, wheel=None, seed: int = 0,
         blas_threads: int | None = 1) -> dict:
-    """Quantize MiniLM-L6's linear layers and write a report (the default ``bakron demo``).
+    """Quantize MiniLM-L6's linear layers and write a report (``bakron demo --model minilm``).
 
     Parameters
     ----------
@@ -361,7 +361,7 @@ def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_cal
         "quick": quick, "tile": list(tile), "engine": engine, "engine_note": engine_note,
         "damp": damp,
         "grid": {"symmetric": bool(symmetric), "scale": scale, "group_size": group_size},
-        "command": "bakron demo" + (" --quick" if quick else ""),
+        "command": "bakron demo --model minilm" + (" --quick" if quick else ""),
         "versions": {"bakron": __version__, "numpy": np.__version__,
                      "python": platform.python_version(), "machine": platform.machine(),
                      "cpus": os.cpu_count(), "blas_threads": blas if dev == "cpu" else None},
