@@ -1,0 +1,281 @@
+"""Benchmark of stacks of layers: ``python -m bakron.bench_stack``.
+
+Measures, in one run and on the same inputs, a stack of ``B`` layers of ``m x n`` (fp32,
+tile 16, 2 bits, two-sided, per-item quantizers):
+
+* ``one by one``: ``bakron.solve`` called once per item (what a runner did before stacks);
+* ``stack``: ``bakron.solve`` on the whole ``(B, m, n)`` stack (``workers`` threads);
+* ``floor``: the floor products ``G_Oᵀ W G_I`` of every item, summed (numpy or cupy, same
+  dtype): what any exact method pays.
+
+Modes (each writes one page into ``--out``, default ``docs/benchmarks``, with its command):
+
+* default: the entries above interleaved round by round in this process (a change of the
+  machine's load hits them alike); ``--workers 1,2`` lists the stack's thread counts;
+  writes ``stack-cpu.md``;
+* ``--threads 1,4,16``: one fresh process per thread count ``t`` with
+  ``OPENBLAS_NUM_THREADS = NUMBA_NUM_THREADS = t``; each measures one by one (BLAS and numba
+  on ``t`` threads), the stack on 1 worker and on ``t`` workers (1 thread each), and the floor;
+  writes ``stack-threads.md`` (``--label`` names a variant of the engine being measured);
+* ``--gpu``: cupy arrays on the current device (TF32 off unless ``--tf32``), one by one vs the
+  stack on the engine that ``auto`` picks; writes ``stack-h200.md`` (``--name`` to rename).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["main", "make_stack", "run_point"]
+
+
+def make_stack(B: int, m: int, n: int, *, tile: int = 16, bits: int = 2, dtype="float32",
+               distinct: int = 8, seed: int = 0):
+    """A stack of ``B`` weights with per-item quantizers and ``distinct`` factor pairs cycled
+    over the items (Wishart Hessians prepared as by ``quantize_layer``)."""
+    import bakron
+    from .cpu import make_problem
+
+    dt = np.dtype(dtype)
+    probs = [make_problem(m, n, (tile, tile), dt, seed + k) for k in range(min(B, distinct))]
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((B, m, n)).astype(dt)
+    A_out = np.stack([probs[i % len(probs)]["A_out"] for i in range(B)])
+    A_in = np.stack([probs[i % len(probs)]["A_in"] for i in range(B)])
+    qs = bakron.fit_quantizers(W, bits)
+    return W, A_out, A_in, qs
+
+
+def _interleaved(fns: dict, repeats: int, budget: float) -> dict:
+    """Wall times of each callable over ``repeats`` rounds, interleaved, after one warm-up
+    call each; an entry stops after ``budget`` seconds in all."""
+    for f in fns.values():
+        f()
+    times: dict = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            if sum(times[k]) > budget:
+                continue
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def _entries(xp, W, A_out, A_in, qs, tile, workers_list, engine):
+    """The callables of one measurement, in W's namespace (numpy or cupy)."""
+    import bakron
+
+    B = W.shape[0]
+    eye_m = xp.eye(W.shape[1], dtype=W.dtype)
+    eye_n = xp.eye(W.shape[2], dtype=W.dtype)
+    G_out = [A_out[i] + eye_m for i in range(B)]
+    G_in = [A_in[i] + eye_n for i in range(B)]
+
+    def sync():
+        if hasattr(xp, "cuda"):
+            xp.cuda.get_current_stream().synchronize()
+
+    def floor():
+        for i in range(B):
+            G_out[i].T @ W[i] @ G_in[i]
+        sync()
+
+    def one_by_one():
+        for i in range(B):
+            bakron.solve(W[i], A_out[i], A_in[i], qs[i], tile=tile, engine=engine)
+        sync()
+
+    fns = {"floor": floor, "one by one": one_by_one}
+    if xp is np:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            threadpool_limits = None
+        if threadpool_limits is not None:
+            def floor_1():
+                with threadpool_limits(limits=1, user_api="blas"):
+                    floor()
+            # on a loaded machine, a multi-threaded BLAS product of 256² can wait for its
+            # helper thread for a scheduler time slice: the floor takes the faster of the two
+            fns["floor, 1 BLAS thread"] = floor_1
+    for w in workers_list:
+        fns[f"stack, {w} worker{'s' if w > 1 else ''}"] = (
+            lambda w=w: bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine,
+                                           workers=w))
+    return fns
+
+
+def run_point(B, m, n, *, tile=16, bits=2, dtype="float32", workers=(1,), repeats=5,
+              budget=60.0, gpu=False, engine="auto") -> dict:
+    """One measurement: median seconds per entry, the stack's ``info`` and the check that
+    the stack equals the one-by-one loop bitwise."""
+    import bakron
+
+    W, A_out, A_in, qs = make_stack(B, m, n, tile=tile, bits=bits, dtype=dtype)
+    xp = np
+    if gpu:
+        import cupy as xp
+        W, A_out, A_in = (xp.asarray(a) for a in (W, A_out, A_in))
+    fns = _entries(xp, W, A_out, A_in, qs, tile, workers, engine)
+    times = _interleaved(fns, repeats, budget)
+    res = bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine, workers=workers[-1])
+    same = all(bool(xp.all(res.values[i] == bakron.solve(
+        W[i], A_out[i], A_in[i], qs[i], tile=tile, engine=engine).values)) for i in range(B))
+    return {"median": {k: float(np.median(v)) for k, v in times.items()},
+            "runs": {k: len(v) for k, v in times.items()}, "engine": res.engine,
+            "method": res.method, "stack": {k: v for k, v in res.info["stack"].items()
+                                            if k != "shape"}, "identical": same}
+
+
+def _machine(load: bool = True) -> str:
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    text = (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, numpy "
+            f"{np.__version__}")
+    return text + (f"; load average {avg:.1f}" if load else "")
+
+
+def _row(name, t, floor, single):
+    return (f"| {name} | {t * 1e3:.1f} ms | {t / floor:.2f}× | "
+            f"{t / single:.2f}× |")
+
+
+def _table(point) -> list[str]:
+    med = point["median"]
+    floor = min(t for k, t in med.items() if k.startswith("floor"))
+    single = med["one by one"]
+    lines = ["| entry | time | ÷ summed floor (the faster floor entry) | ÷ one by one |",
+             "|---|---|---|---|"]
+    for k, t in med.items():
+        lines.append(_row(k, t, floor, single))
+    return lines
+
+
+def _write(path, title, intro, body):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join([f"# {title}", "", *intro, "", *body, ""]))
+    os.replace(tmp, path)
+
+
+def _threads_point(args) -> dict:
+    """Run one ``--threads`` point in a fresh process with its thread environment."""
+    t = args.point
+    return run_point(args.B, args.m, args.n, tile=args.tile, bits=args.bits, dtype=args.dtype,
+                     workers=(1, t) if t > 1 else (1,), repeats=args.repeats,
+                     budget=args.budget)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bakron.bench_stack", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--B", type=int, default=64, help="items in the stack (default 64)")
+    ap.add_argument("--m", type=int, default=256)
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--tile", type=int, default=16)
+    ap.add_argument("--bits", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds per entry at most")
+    ap.add_argument("--workers", default="1,2", help="stack thread counts (default mode)")
+    ap.add_argument("--threads", default=None, help="e.g. 1,4,16: fresh process per count")
+    ap.add_argument("--label", default="", help="what engine variant --threads measures")
+    ap.add_argument("--gpu", action="store_true", help="cupy on the current device")
+    ap.add_argument("--tf32", action="store_true", help="allow TF32 (with --gpu)")
+    ap.add_argument("--name", default=None, help="page name (default by mode)")
+    ap.add_argument("--out", default=os.path.join("docs", "benchmarks"))
+    ap.add_argument("--point", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    command = "python -m bakron.bench_stack " + " ".join(shlex.quote(a) for a in (
+        sys.argv[1:] if argv is None else argv))
+    size = f"{args.B} × {args.m}×{args.n}"
+    shape = f"{size}, {args.dtype}, tile {args.tile}, {args.bits}-bit"
+
+    if args.point is not None:  # a child of --threads
+        print(json.dumps(_threads_point(args)))
+        return 0
+
+    if args.threads:
+        counts = [int(t) for t in args.threads.split(",")]
+        body = ["| threads t | one by one (t BLAS threads) | stack, 1 worker | stack, t workers "
+                "| summed floor (t threads) | one by one ÷ floor | best stack ÷ floor | best "
+                "stack ÷ one by one | identical |", "|---|---|---|---|---|---|---|---|---|"]
+        raw = {}
+        for t in counts:
+            env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t), NUMBA_NUM_THREADS=str(t),
+                       OMP_NUM_THREADS=str(t))
+            child = [a for a in (sys.argv[1:] if argv is None else argv)]
+            out = subprocess.run([sys.executable, "-m", "bakron.bench_stack", *child,
+                                  "--point", str(t)], env=env, check=True,
+                                 capture_output=True, text=True).stdout
+            p = json.loads(out.strip().splitlines()[-1])
+            raw[t] = p
+            med = p["median"]
+            one, floor, s1 = med["one by one"], med["floor"], med["stack, 1 worker"]
+            st = med.get(f"stack, {t} workers", s1)
+            best = min(s1, st)
+            body.append(f"| {t} | {one * 1e3:.0f} ms | {s1 * 1e3:.0f} ms | "
+                        f"{st * 1e3:.0f} ms | {floor * 1e3:.1f} ms | {one / floor:.2f}× | "
+                        f"{best / floor:.2f}× | {best / one:.2f}× | {p['identical']} |")
+            print(body[-1], flush=True)
+        label = f" ({args.label})" if args.label else ""
+        intro = [f"Stack of {shape}, CPU thread counts{label}.", "",
+                 f"Command: `{command}`", "", f"Machine: {_machine()}.", "",
+                 "One fresh process per thread count t (`OPENBLAS_NUM_THREADS` = "
+                 "`NUMBA_NUM_THREADS` = t); medians of interleaved rounds. *identical*: the "
+                 "stack's values equal the one-by-one solves bitwise."]
+        _write(os.path.join(args.out, (args.name or "stack-threads") + ".md"),
+               f"Stacks of layers on CPU threads: {size}{label}", intro, body)
+        return 0
+
+    if args.gpu:
+        if not args.tf32:
+            os.environ.setdefault("CUPY_TF32", "0")
+        import cupy
+
+        p = run_point(args.B, args.m, args.n, tile=args.tile, bits=args.bits, dtype=args.dtype,
+                      workers=(1,), repeats=args.repeats, budget=args.budget, gpu=True)
+        dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        intro = [f"Stack of {shape} on {dev} (cupy, engine {p['engine']}, method "
+                 f"{p['method']}, TF32 {'on' if args.tf32 else 'off'}).", "",
+                 f"Command: `{command}`", "",
+                 f"Stack path: {p['stack']['path']}; identical to one by one: "
+                 f"{p['identical']}; medians of {max(p['runs'].values())} interleaved rounds."]
+        _write(os.path.join(args.out, (args.name or "stack-h200") + ".md"),
+               f"Stacks of layers on the GPU: {size}", intro, _table(p))
+        print("\n".join(_table(p)))
+        return 0
+
+    workers = tuple(int(w) for w in args.workers.split(","))
+    load0 = os.getloadavg()[0]
+    p = run_point(args.B, args.m, args.n, tile=args.tile, bits=args.bits, dtype=args.dtype,
+                  workers=workers, repeats=args.repeats, budget=args.budget)
+    load1 = os.getloadavg()[0]
+    intro = [f"Stack of {shape} (engine {p['engine']}, method {p['method']}).", "",
+             f"Command: `{command}`", "", f"Machine: {_machine(load=False)}; load average "
+             f"{load0:.1f} at start, {load1:.1f} at the end.", "",
+             f"Stack path with {workers[-1]} worker(s): {p['stack']['path']}; identical to "
+             f"one by one: {p['identical']}; "
+             f"medians of {max(p['runs'].values())} interleaved rounds."]
+    _write(os.path.join(args.out, (args.name or "stack-cpu") + ".md"),
+           f"Stacks of layers on the CPU: {size}", intro, _table(p))
+    print("\n".join(_table(p)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
