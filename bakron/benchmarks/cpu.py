@@ -81,7 +81,7 @@ def gptq_loop(W, U, quantizer, block: int = 128):
     return Q
 
 
-def _interleaved(fns: dict, repeats: int, budget: float) -> dict:
+def interleaved(fns: dict, repeats: int, budget: float) -> dict:
     """Wall times of every callable over ``repeats`` rounds, interleaved (each round runs
     each one once, after one warm-up call each), so that a change of the machine's load hits
     all entries alike; an entry stops after ``budget`` seconds in all. ``None`` entries are
@@ -165,7 +165,7 @@ def run(sizes, repeats=5, dtype="float32", tile=16, bits=2, direct_max=1024,
         U = np.linalg.cholesky(np.linalg.inv(Hr)).T.astype(dt)
         Wr = np.ascontiguousarray(W[:, ::-1])
         cases.append(("gptq_loop", (lambda: gptq_loop(Wr, U, q)) if n <= gptq_max else None))
-        times = _interleaved(dict(cases), repeats, budget)
+        times = interleaved(dict(cases), repeats, budget)
         for name, fn in cases:
             ts = times.get(name)
             row[name] = None if not ts else float(np.median(ts))
@@ -200,7 +200,7 @@ def run_shapes(shapes, repeats=2, dtype="float32", tile=16, bits=2, budget=60.0,
         GO = np.eye(m, dtype=dt) + AO
         GI = np.eye(n, dtype=dt) + AI
         row = {"shape": (m, n)}
-        times = _interleaved({"floor": lambda: floor_product(GO, W, GI),
+        times = interleaved({"floor": lambda: floor_product(GO, W, GI),
                               "recursive": lambda: bakron.solve(W, AO, AI, q, tile=tile,
                                                                 method="recursive",
                                                                 engine="numba")},

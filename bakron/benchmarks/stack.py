@@ -29,9 +29,10 @@ import platform
 import shlex
 import subprocess
 import sys
-import time
 
 import numpy as np
+
+from .cpu import interleaved
 
 __all__ = ["main", "make_stack", "run_point"]
 
@@ -51,22 +52,6 @@ def make_stack(B: int, m: int, n: int, *, tile: int = 16, bits: int = 2, dtype="
     A_in = np.stack([probs[i % len(probs)]["A_in"] for i in range(B)])
     qs = bakron.fit_quantizers(W, bits)
     return W, A_out, A_in, qs
-
-
-def _interleaved(fns: dict, repeats: int, budget: float) -> dict:
-    """Wall times of each callable over ``repeats`` rounds, interleaved, after one warm-up
-    call each; an entry stops after ``budget`` seconds in all."""
-    for f in fns.values():
-        f()
-    times: dict = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            if sum(times[k]) > budget:
-                continue
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-    return times
 
 
 def _entries(xp, W, A_out, A_in, qs, tile, workers_list, engine):
@@ -125,7 +110,7 @@ def run_point(B, m, n, *, tile=16, bits=2, dtype="float32", workers=(1,), repeat
         import cupy as xp
         W, A_out, A_in = (xp.asarray(a) for a in (W, A_out, A_in))
     fns = _entries(xp, W, A_out, A_in, qs, tile, workers, engine)
-    times = _interleaved(fns, repeats, budget)
+    times = interleaved(fns, repeats, budget)
     res = bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine, workers=workers[-1])
     same = all(bool(xp.all(res.values[i] == bakron.solve(
         W[i], A_out[i], A_in[i], qs[i], tile=tile, engine=engine).values)) for i in range(B))
