@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import _xp
-from ..io import InputError, OutputExistsError, _fsync_path, _umask
+from ..io import InputError, OutputExistsError, _fsync_path, _umask, check_output_path
 
 
 def check_output_file(out, source=None, *, force: bool = False) -> Path:
@@ -25,6 +25,16 @@ def check_output_file(out, source=None, *, force: bool = False) -> Path:
     if not out.parent.is_dir():
         raise InputError(f"output folder {out.parent} does not exist")
     return out
+
+
+def check_output_folder(out, source: Path, *, force: bool = False) -> Path:
+    """Refuse an output folder ``out`` that is (or holds) the source, or that exists (unless
+    ``force``)."""
+    out_path = check_output_path(out, [source])
+    if (out_path.exists() or out_path.is_symlink()) and not force:
+        raise OutputExistsError(f"{out_path} already exists; use force=True (--force) to "
+                                f"replace it")
+    return out_path
 
 
 @contextlib.contextmanager

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import _safetensors, _xp
-from ..io import InputError, OutputExistsError, atomic_output_dir, check_output_path
+from ..io import InputError, atomic_output_dir
+from ._files import check_output_folder
 from ._hf import as_stored, hf_linear_name, read_folder
 
 __all__ = ["write_dequantized", "to_bf16_bits"]
@@ -54,10 +55,7 @@ def write_dequantized(out, source, layers: dict, *, force: bool = False) -> dict
     if not isinstance(layers, dict) or not layers:
         raise ValueError("layers must be a non-empty dict {name: W_hat or LayerResult}")
     src = Path(source)
-    out_path = check_output_path(out, [src])
-    if (out_path.exists() or out_path.is_symlink()) and not force:
-        raise OutputExistsError(f"{out_path} already exists; use force=True (--force) to "
-                                f"replace it")
+    out_path = check_output_folder(out, src, force=force)
     config, tensors, others = read_folder(src)
     arrays, bf16, rounding = {}, set(), {}
     replaced = {}

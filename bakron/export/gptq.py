@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__, _safetensors, _xp
-from ..io import InputError, OutputExistsError, atomic_output_dir, check_output_path
+from ..io import InputError, atomic_output_dir
 from ..quantizers import UniformQuantizer
-from ._files import encode_on_grid, layer_parts
+from ._files import check_output_folder, encode_on_grid, layer_parts
 from ._hf import HF_LINEAR, as_stored, hf_linear_name, read_folder
 
 __all__ = ["GPTQGrid", "as_gptq_grid", "pack_rows", "unpack_rows", "write_gptq", "read_gptq",
@@ -247,10 +247,7 @@ def write_gptq(out, source, layers: dict, *, checkpoint_format: str = "gptq",
         raise ValueError("layers must be a non-empty dict {name: LayerResult or (W_hat, "
                          "quantizer)}")
     src = Path(source)
-    out_path = check_output_path(out, [src])
-    if (out_path.exists() or out_path.is_symlink()) and not force:
-        raise OutputExistsError(f"{out_path} already exists; use force=True (--force) to "
-                                f"replace it")
+    out_path = check_output_folder(out, src, force=force)
     config, tensors, others = read_folder(src)
 
     # -- check and pack every layer before anything is written -----------------------------
