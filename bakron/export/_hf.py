@@ -9,10 +9,10 @@ import numpy as np
 
 from .. import _safetensors
 from ..io import InputError
+from ..models.llm.hf_folder import HF_NAMES
 
-_GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# the linears of the LLM loaders' name table (GGUF block name -> Hugging Face module name)
+_GGUF_TO_HF = {g: h for h, g in HF_NAMES.items() if h.endswith("_proj")}
 HF_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
                        r"\.weight$")
 
