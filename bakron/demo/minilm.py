@@ -20,17 +20,22 @@ on the Lee news-similarity corpus (correlation of embedding similarities with hu
 """
 from __future__ import annotations
 
-import contextlib
-import io as _stdio
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from .._validate import check_bits_list
+from ._common import Clock as _Clock
+from ._common import blas_limit as _blas_limit
+from ._common import log as _log
+from ._common import md_table as _md_table
+from ._common import namespace as _namespace
+from ._common import png as _png
+from ._common import prepare_cached as _prepare
+from ._common import warm_up as _warm_up
 
 __all__ = ["run", "METHODS", "QUICK_LAYERS"]
 
@@ -46,22 +51,6 @@ QUICK_LAYERS = ("layer.0.query", "layer.0.value")
 _COLORS = {"rtn": "#969696", "ldlq": "#3182bd", "attention": "#e6550d", "local": "#31a354"}
 
 
-def _log(progress: bool, msg: str) -> None:
-    if progress:
-        print(msg, file=sys.stderr, flush=True)
-
-
-def _namespace(device: str):
-    from .. import io as bio
-
-    xp, dev = bio.array_module(device)
-    if dev == "gpu":
-        import array_api_compat
-
-        return array_api_compat.array_namespace(xp.zeros(1)), "gpu"
-    import array_api_compat.numpy as xpn
-
-    return xpn, "cpu"
 
 
 class _Metrics:
@@ -89,75 +78,6 @@ class _Metrics:
         if memo not in self._memo:
             self._memo[memo] = (values, self._by_key[key].error(values, "two"))
         return self._memo[memo][1]
-
-
-def _prepare(cache, H, block, damp):
-    """prepare_factor once per (matrix, block); A kept in float32 (the solver's working dtype)."""
-    from .. import _xp, prepare_factor
-
-    if H is None:
-        return None, 0.0, None
-    key = (id(H), block)
-    if key not in cache:
-        xp = _xp.namespace(H)
-        t0 = time.perf_counter()
-        f = prepare_factor(H, block, damp=damp)
-        A = xp.astype(f.A, xp.float32)
-        _xp.sync(xp)
-        cache[key] = (A, time.perf_counter() - t0, f.damp)
-    return cache[key]
-
-
-def _warm_up(xp, tile):
-    """Tiny one- and two-sided solves so that compiled engines are built before timing.
-
-    ``tile=None`` picks the tile: ``(1, 1)`` — exact element-by-element LDLQ, the rule for a
-    scalar grid — when a compiled engine (numba on the CPU, CUDA on the GPU) runs it, else
-    ``(16, 16)`` (the array-API engine pays Python overhead per tile). A compiled engine that
-    fails here (e.g. a numba build that does not match the installed numpy) is replaced by the
-    array-API engine for the whole run. Returns ``(tile, engine used, engine argument, note)``.
-    """
-    from .. import UniformQuantizer, _xp, prepare_factor, solve
-
-    W = xp.asarray(np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64))
-    q = UniformQuantizer.fit(W, 2)
-
-    def probe(t, engine):
-        Ai = xp.astype(prepare_factor(xp.eye(64, dtype=xp.float64), t[1]).A, xp.float32)
-        Ao = xp.astype(prepare_factor(xp.eye(64, dtype=xp.float64), t[0]).A, xp.float32)
-        solve(W, None, Ai, q, tile=t, engine=engine)
-        used = solve(W, Ao, Ai, q, tile=t, engine=engine).engine
-        _xp.sync(xp)
-        return used
-
-    engine_arg, note = "auto", None
-    try:
-        used = probe(tile or (1, 1), "auto")
-    except Exception as exc:  # noqa: BLE001 - a broken compiled engine, not bad input
-        engine_arg = "array_api"
-        note = f"compiled engine failed ({type(exc).__name__}: {exc}); array-API engine used"
-        used = probe(tile or (16, 16), engine_arg)
-    if tile is None:
-        tile = (1, 1) if used != "array_api" else (16, 16)
-    return tile, used, engine_arg, note
-
-
-class _Clock:
-    """Wall and CPU seconds per phase (CPU time counts every thread of this process)."""
-
-    def __init__(self):
-        self.wall: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-        self._t = None
-
-    def start(self):
-        self._t = (time.perf_counter(), time.process_time())
-
-    def stop(self, name: str) -> float:
-        w, c = self._t
-        self.wall[name] = time.perf_counter() - w
-        self.cpu[name] = time.process_time() - c
-        return self.wall[name]
 
 
 def _one_minus_cos(E, ref) -> np.ndarray:
@@ -244,27 +164,6 @@ def run(out_dir="bakron-demo-minilm", *, device: str = "auto", bits=(2, 3, 4),
                     scale=scale,
                     group_size=group_size, batch_size=batch_size, cache=cache, wheel=wheel,
                     seed=seed)
-
-
-@contextlib.contextmanager
-def _blas_limit(threads):
-    """Limit BLAS threads inside the block (threadpoolctl when installed, else a no-op)."""
-    if threads is None:
-        yield "library default"
-        return
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"blas_threads must be a positive integer or None, got {threads!r}")
-    try:
-        from threadpoolctl import threadpool_limits
-        try:  # load scipy's own BLAS now (numba's compiled code calls it) so it is limited too
-            import scipy.linalg  # noqa: F401
-        except Exception:  # noqa: BLE001 - a missing or broken scipy only loses the limit
-            pass
-    except ImportError:
-        yield "library default (threadpoolctl is not installed)"
-        return
-    with threadpool_limits(limits=threads, user_api="blas"):
-        yield f"{threads} (threadpoolctl)"
 
 
 def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_calibration, n_heldout,
@@ -476,12 +375,6 @@ def _run(out_dir, *, blas, device, bits, quick, progress, methods, layers, n_cal
 
 # -- report ---------------------------------------------------------------------------------
 
-def _md_table(rows) -> str:
-    out = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join("---" for _ in rows[0]) + "|"]
-    out += ["| " + " | ".join(map(str, r)) + " |" for r in rows[1:]]
-    return "\n".join(out)
-
-
 def _summary_rows(res):
     has_lee = res["fp32"]["lee"] is not None
     head = ["bits", "method", "mean 1−cos", "max 1−cos"]
@@ -635,12 +528,6 @@ def _markdown(res: dict) -> str:
     if d.get("lee_source"):
         lines += ["## Data provenance", "", f"Lee corpus: {d['lee_source']}.", ""]
     return "\n".join(lines)
-
-
-def _png(fig) -> bytes:
-    buf = _stdio.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
 
 
 def _plots(res) -> tuple[bytes, bytes]:

@@ -130,9 +130,10 @@ class _ShiftedHead:
         return self._h.check_input(in_shape)
 
     def grad(self, xp, z, ctx):
-        from ..hessian import HeadContext
+        import dataclasses
 
-        return self._h.grad(xp, z, HeadContext(ctx.batch_index + self._off, ctx.seed))
+        return self._h.grad(xp, z, dataclasses.replace(ctx, batch_index=ctx.batch_index
+                                                       + self._off))
 
 
 # --------------------------------------------------------------------------------------------

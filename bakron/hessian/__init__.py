@@ -39,7 +39,10 @@ Building blocks:
 
 - stages: :class:`Linear`, :class:`Bias`, :class:`ReLU`, :class:`GELU` (exact erf),
   :class:`LayerNorm`, :class:`Residual` (a stage holding a sub-chain), and the head
-  :class:`SoftmaxCrossEntropy`. A custom stage implements ``out_shape``, ``forward``, ``vjp``
+  :class:`SoftmaxCrossEntropy`; for decoder-only transformers (Llama, Qwen3) on token ids
+  :class:`Embedding`, :class:`RMSNorm`, :class:`Attention` (causal GQA with rotary
+  embeddings), :class:`SwiGLU` and the chunked language-model head :class:`LMHead`, with
+  :func:`pad_batches` to build right-padded id batches. A custom stage implements ``out_shape``, ``forward``, ``vjp``
   and ``linears`` (see :mod:`bakron.hessian.stages`).
 - :class:`FactorAccumulator`: streaming float64 second moments with weights, sequence
   updates and a fixed-order ``merge`` (shards combine reproducibly).
@@ -58,6 +61,8 @@ from .driver import HessianReport, SweepRecord, global_factors, plan_global
 from .reference import exact_fisher, nearest_kronecker, per_sequence_gradients
 from .stages import (GELU, Bias, HeadContext, LayerNorm, Linear, ReLU, Residual,
                      SoftmaxCrossEntropy)
+from .transformer import (Attention, Embedding, LMHead, RMSNorm, SwiGLU, pad_batches,
+                          rope_inv_freq)
 
 __all__ = [
     "global_factors", "plan_global", "HessianReport", "SweepRecord",
@@ -65,5 +70,6 @@ __all__ = [
     "HeadContext", "FactorAccumulator", "token_quadratic", "sequence_mix", "pack_upper",
     "unpack_upper", "reversal_cost", "reversal_slots", "binomial_cost", "binomial_steps",
     "bisection_cost", "bisection_slots", "exact_fisher", "per_sequence_gradients",
-    "nearest_kronecker",
+    "nearest_kronecker", "Embedding", "RMSNorm", "Attention", "SwiGLU", "LMHead",
+    "pad_batches", "rope_inv_freq",
 ]

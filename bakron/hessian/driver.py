@@ -404,11 +404,12 @@ class _Engine:
         self.seed, self.check = seed, check
         self.shapes = None
         self.batch = 0
+        self.inputs = self.mask = None
         self.collect = None
         self.evals = self.vjps = self.heads = 0
 
     def nbytes(self, x):
-        return math.prod(x.shape) * (self.xp.finfo(x.dtype).bits // 8)
+        return math.prod(x.shape) * _itemsize(self.xp, x.dtype)
 
     def _check(self, x, what):
         if self.check and not bool(self.xp.all(self.xp.isfinite(x))):
@@ -427,7 +428,8 @@ class _Engine:
 
     def head(self, z):
         self.heads += 1
-        d = self.head_stage.grad(self.xp, z, HeadContext(self.batch, self.seed))
+        d = self.head_stage.grad(self.xp, z, HeadContext(self.batch, self.seed, self.inputs,
+                                                         self.mask))
         if tuple(d.shape) != tuple(z.shape):
             raise ValueError(f"head {stage_label(self.head_stage)} returned a gradient of shape "
                              f"{tuple(d.shape)} for logits of shape {tuple(z.shape)}")
@@ -487,7 +489,7 @@ def _layer_names(body):
     return names_at, shapes
 
 
-def _check_weights(xp, weights, batches, refine, refine_iters):
+def _check_weights(xp, weights, batches, refine, refine_iters, ids=False):
     if weights is None:
         return [None] * len(batches)
     if len(weights) != len(batches):
@@ -498,7 +500,7 @@ def _check_weights(xp, weights, batches, refine, refine_iters):
         if w is None:
             out.append(None)
             continue
-        lead = tuple(x.shape[:-1])
+        lead = tuple(x.shape) if ids else tuple(x.shape[:-1])   # token ids have no feature axis
         if tuple(w.shape) != lead[:len(w.shape)] or len(w.shape) == 0:
             raise ValueError(f"weights[{k}] has shape {tuple(w.shape)}; batch {k} has shape "
                              f"{tuple(x.shape)}, so it needs {lead[:1]} (per sample) or "
@@ -514,18 +516,54 @@ def _check_weights(xp, weights, batches, refine, refine_iters):
     return out
 
 
-def _token_weights(xp, w, lead):
+def _token_weights(xp, w, lead, mask=None):
+    """Flat per-row weights for rows with leading axes ``lead``: the batch's weights broadcast
+    over the token axes, times the token mask (``None``: all ones)."""
+    if mask is not None:
+        m = xp.astype(mask, xp.float64)
+        m = xp.reshape(m, tuple(m.shape) + (1,) * (len(lead) - len(m.shape)))
+        w = m if w is None else m * xp.reshape(w, tuple(w.shape)
+                                               + (1,) * (len(m.shape) - len(w.shape)))
     if w is None:
         return None
     w = xp.reshape(w, tuple(w.shape) + (1,) * (len(lead) - len(w.shape)))
     return xp.reshape(xp.broadcast_to(w, lead), (-1,))
 
 
+def _itemsize(xp, dtype):
+    if xp.isdtype(dtype, "real floating"):
+        return xp.finfo(dtype).bits // 8
+    return xp.iinfo(dtype).bits // 8 if xp.isdtype(dtype, "integral") else 1
+
+
+def _token_masks(xp, first, batches):
+    """The first stage's ``token_mask`` of every batch (``None`` where it has none or where
+    every position is real)."""
+    fn = getattr(first, "token_mask", None)
+    if fn is None:
+        return [None] * len(batches)
+    out = []
+    for k, x in enumerate(batches):
+        m = fn(xp, x)
+        if m is None:
+            out.append(None)
+            continue
+        lead = tuple(x.shape[:len(m.shape)])
+        if tuple(m.shape) != lead or m.dtype != xp.bool:
+            raise ValueError(f"stage {stage_label(first, 0)}: token_mask of batch {k} must be "
+                             f"a boolean array over the batch axes of {tuple(x.shape)}, got "
+                             f"{m.dtype} of shape {tuple(m.shape)}")
+        if not bool(xp.any(m)):
+            raise ValueError(f"calibration batch {k} has no real position (all padding)")
+        out.append(None if bool(xp.all(m)) else m)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # the public driver
 # --------------------------------------------------------------------------------------------
 def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
-                snapshots=None, accum_dtype=None) -> dict:
+                snapshots=None, accum_dtype=None, layers=None) -> dict:
     """What :func:`global_factors` would run, without running it.
 
     Returns ``{"leaves": [(start, stop, schedule, snapshots), ...], "splits": [(start, stop,
@@ -533,7 +571,7 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
     the same errors (shapes, budget too small) as :func:`global_factors`.
     """
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, None, "token", 0)
+                 accum_dtype, None, "token", 0, layers)
     nodes = list(_walk(P["plan"]))
     return {"leaves": [(n.start, n.stop, n.schedule, n.snapshots) for n in nodes
                        if isinstance(n, _Leaf)],
@@ -543,7 +581,7 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
 
 
 def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-             accum_dtype, weights, refine, refine_iters):
+             accum_dtype, weights, refine, refine_iters, layers=None):
     stages = list(stages)
     if len(stages) < 2 or not is_head(stages[-1]):
         raise ValueError("stages must be a list of stages ending with a head (e.g. "
@@ -584,10 +622,21 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
                          "batch")
     xp = _xp.namespace(*batches, *params, *(weights or ()))
     feat = None
+    ids = bool(getattr(body[0], "integer_inputs", False))
     for k, x in enumerate(batches):
         if not hasattr(x, "shape") or len(x.shape) < 2 or x.shape[0] == 0:
             raise ValueError(f"calibration batch {k} must have shape (batch, ..., features) "
                              f"with batch >= 1, got {getattr(x, 'shape', None)}")
+        if ids:   # token ids: integers, and the sequence length may differ between batches
+            if not xp.isdtype(x.dtype, "integral"):
+                raise ValueError(f"calibration batch {k} must hold integer token ids for "
+                                 f"stage {stage_label(body[0], 0)}, got dtype {x.dtype}")
+            if feat is None:
+                feat = len(x.shape)
+            elif len(x.shape) != feat:
+                raise ValueError(f"calibration batch {k} has shape {tuple(x.shape)}; batch 0 "
+                                 f"has {feat} axes; all batches must have the same number")
+            continue
         _xp.float_dtype(xp, x, f"calibration batch {k}")
         if feat is None:
             feat = tuple(x.shape[1:])
@@ -595,7 +644,7 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
             raise ValueError(f"calibration batch {k} has shape {tuple(x.shape)}; batch 0 has "
                              f"trailing shape {feat}; all batches must agree after axis 0")
         check_finite(xp, x, f"calibration batch {k}")
-    weights = _check_weights(xp, weights, batches, refine, refine_iters)
+    weights = _check_weights(xp, weights, batches, refine, refine_iters, ids)
 
     # shapes of every state, for every batch (checks the chain before computing anything)
     shapes = []
@@ -614,9 +663,27 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     names_at, layer_shapes = _layer_names(body)
     if not layer_shapes:
         raise ValueError("the chain holds no linear layers: nothing to collect")
+    skipped = {}
+    if layers is not None:
+        if isinstance(layers, str) or not all(isinstance(n, str) for n in layers):
+            raise ValueError(f"layers must be a list of layer names, got {layers!r}")
+        want = set(layers)
+        unknown = sorted(want - set(layer_shapes))
+        if unknown:
+            some = ", ".join(repr(n) for n in list(layer_shapes)[:4])
+            raise ValueError(f"layers: {', '.join(map(repr, unknown))} not in the chain (its "
+                             f"layers are {some}, ...)")
+        if not want:
+            raise ValueError("layers is empty: name at least one layer to collect")
+        skipped = {n: i for i, names in enumerate(names_at) for n in names if n not in want}
+        names_at = [[n for n in names if n in want] for names in names_at]
+        layer_shapes = {n: v for n, v in layer_shapes.items() if n in want}
 
-    dtypes = [x.dtype for x in batches] + [a.dtype for a in params
-                                           if xp.isdtype(a.dtype, "real floating")]
+    dtypes = ([] if ids else [x.dtype for x in batches]) + [
+        a.dtype for a in params if xp.isdtype(a.dtype, "real floating")]
+    if not dtypes:
+        raise ValueError("the chain takes integer inputs but holds no floating parameters: "
+                         "the activations' dtype is unknown")
     act_dtype = xp.result_type(*dtypes)
     itemsize = xp.finfo(act_dtype).bits // 8
     acc_dtype = xp.float64 if accum_dtype is None else accum_dtype
@@ -624,19 +691,26 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
         raise ValueError(f"accum_dtype must be float32 or float64, got {accum_dtype!r}")
     acc_item = xp.finfo(acc_dtype).bits // 8
     batch_sizes = [[math.prod(s) * itemsize for s in sh] for sh in shapes]
+    if ids:   # state 0 is the ids themselves
+        for bs, x in zip(batch_sizes, batches):
+            bs[0] = math.prod(x.shape) * _itemsize(xp, x.dtype)
+    masks = _token_masks(xp, body[0], batches)
     sizes = [max(bs[l] for bs in batch_sizes) for l in range(len(body) + 1)]
     buf = [sum((layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item for n in names)
            for names in names_at]
     planner = _Planner(sizes, batch_sizes, buf, names_at, budget_bytes, checkpoint, snapshots)
     plan = planner.plan(0, len(body), 0)
-    return dict(xp=xp, body=body, head=head, batches=batches, weights=weights, shapes=shapes,
-                names_at=names_at, layer_shapes=layer_shapes, acc_dtype=acc_dtype, plan=plan,
+    return dict(xp=xp, body=body, head=head, batches=batches, weights=weights, masks=masks,
+                shapes=shapes,
+                names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
+                acc_dtype=acc_dtype, plan=plan,
                 checkpoint=checkpoint)
 
 
 def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
                    checkpoint="auto", snapshots=None, refine_iters=0, refine="token", seed=0,
-                   weights=None, accum_dtype=None, check_finite=True, sink=None):
+                   weights=None, accum_dtype=None, check_finite=True, sink=None, layers=None,
+                   kfac_sink=None):
     """Kronecker factors ``(H_in, H_out)`` of the Fisher for every linear layer of a chain.
 
     Parameters
@@ -646,7 +720,10 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         :mod:`bakron.hessian.stages` for the protocol.
     calib_inputs : array or list of arrays
         Calibration inputs ``(N, features)`` / ``(N, T, features)`` (split into batches of
-        ``batch_size``), or a list of batches. Never modified.
+        ``batch_size``), or a list of batches. Never modified. A chain whose first stage takes
+        token ids (:class:`~bakron.hessian.Embedding`) takes integer batches ``(B, T)``,
+        right-padded with negative ids (see :func:`~bakron.hessian.pad_batches`; ``T`` may
+        differ between batches); padded positions count in no factor.
     budget_bytes : int, optional
         Working-memory budget (factor buffers + boundary caches + activations; see
         :mod:`bakron.hessian.driver`). ``None``: no limit (store everything, one range).
@@ -662,7 +739,8 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     seed : int
         Seed of the head's label draws (per batch: ``(seed, batch index)``).
     weights : list, optional
-        One array per batch: ``(B,)`` per sample or ``(B, T)`` per token (non-negative).
+        One array per batch: ``(B,)`` per sample or ``(B, T)`` per token (non-negative); the
+        first stage's token mask multiplies them.
     accum_dtype : dtype, optional
         Accumulation dtype (float64 by default).
     check_finite : bool
@@ -671,6 +749,13 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         ``sink(name, H_in, H_out)`` is called as soon as a layer's factors are final, and the
         returned dict stays empty (write factors out instead of keeping them). Without a sink
         nothing is handed out unless the whole run succeeds.
+    layers : list of str, optional
+        Collect only these layers (the backward pass still runs through the whole chain, so
+        their factors are the same as in a full run); default all.
+    kfac_sink : callable, optional
+        With ``refine_iters > 0``: ``kfac_sink(name, H_in, H_out)`` receives the K-FAC factors
+        of each layer before they are refined (``H_in`` is then the local ``E[x xᵀ]``), so
+        that one run gives both (no extra pass). Not called without refinement.
 
     Returns
     -------
@@ -682,7 +767,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     """
     t0 = time.perf_counter()
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, weights, refine, refine_iters)
+                 accum_dtype, weights, refine, refine_iters, layers)
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
@@ -692,6 +777,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     eng = _Engine(xp, body, P["head"], int(seed), check_finite)
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
+    run.kfac_sink = kfac_sink
     run.node(P["plan"])
     results = {n: run.results[n] for names in P["names_at"] for n in names if n in run.results}
     report.peak_bytes = ledger.peak_total
@@ -713,6 +799,7 @@ class _Run:
         self.refine, self.iters, self.sink = refine, refine_iters, sink
         self.h_cache, self.d_cache = {}, {}
         self.results = {}
+        self.kfac_sink = None
 
     def _h(self, a, k):
         return self.P["batches"][k] if a == 0 else self.h_cache[a][k]
@@ -727,6 +814,7 @@ class _Run:
         out_h, out_d = [], []
         for k in range(len(self.P["batches"])):
             eng.batch, eng.shapes = k, self.P["shapes"][k]
+            eng.inputs, eng.mask = self.P["batches"][k], self.P["masks"][k]
             if on_batch is not None:
                 on_batch(k)
             h, owned = _advance(eng, led, a, c, self._h(a, k), False)
@@ -775,7 +863,7 @@ class _Run:
                    * (xp.finfo(acc_dtype).bits // 8) for n in names)
         self.ledger.alloc("buf", nbuf, 0)
         current = {}
-        state = {"w": None}
+        state = {"w": None, "mask": None}
 
         def key_of(i, key):
             return f"stage{i}" if key is None else key
@@ -807,13 +895,23 @@ class _Run:
 
             def collect(i, key, x, g, _step=step, _accs=accs):
                 name = key_of(i, key)
+                if P["skipped"].get(name, -1) == i:   # a layer the caller did not ask for
+                    return
                 if owner.get(name) != i:
                     raise ValueError(f"stage {stage_label(P['body'][i], i)} collected a layer "
                                      f"named {name!r} that its linears() does not declare")
                 check_pair(i, name, x, g)
                 m, n = P["layer_shapes"][name]
                 lead = tuple(x.shape[:-1])
-                w_tok = _token_weights(xp, state["w"], lead)
+                w_tok = _token_weights(xp, state["w"], lead, state["mask"])
+                mask = state["mask"]
+                if (mask is not None and tuple(mask.shape) == lead
+                        and (_step == "kfac" or self.refine == "token")):
+                    # padded rows have weight 0: leave them out of the products altogether
+                    sel = xp.reshape(mask, (-1,))
+                    x = xp.reshape(x, (-1, n))[sel]
+                    g = xp.reshape(g, (-1, m))[sel]
+                    w_tok = None if state["w"] is None else w_tok[sel]
                 if _step == "kfac":
                     _accs[name][0]._update(xp, x, w_tok)
                     _accs[name][1]._update(xp, g, w_tok)
@@ -835,7 +933,7 @@ class _Run:
                                                   state["w"])
 
             def on_batch(k):
-                state["w"] = P["weights"][k]
+                state["w"], state["mask"] = P["weights"][k], P["masks"][k]
 
             self.eng.collect = collect
             rec = SweepRecord(step, a, b, None, node.schedule, node.snapshots)
@@ -850,6 +948,9 @@ class _Run:
                     current[n] = (acc.value(), current[n][1])
                 del acc
             del accs
+            if step == "kfac" and self.iters and self.kfac_sink is not None:
+                for n in names:
+                    self.kfac_sink(n, *current[n])
         self.eng.collect = None   # the closure holds this leaf's factors: let them go
         for n in names:
             if self.sink is not None:

@@ -22,7 +22,13 @@ object with
     its parameter arrays (used to check that everything lives in one namespace).
 
 A **head** has ``is_head = True``, ``check_input(in_shape)`` and ``grad(xp, z, ctx)`` returning
-``∂loss/∂z`` for the chain's output ``z``; ``ctx`` carries the batch index and the seed.
+``∂loss/∂z`` for the chain's output ``z``; ``ctx`` (:class:`HeadContext`) carries the batch
+index, the seed, the batch's inputs and its token mask.
+
+The first stage may take integer inputs (token ids): it then sets ``integer_inputs = True`` and
+may define ``token_mask(xp, inputs)``, a boolean array over the batch axes marking the
+positions that count (padding is ``False``); the driver gives masked positions zero weight in
+every factor and hands the mask to the head.
 
 Leading axes are batch axes: ``(B, n)`` is B single-token samples, ``(B, T, n)`` is B
 sequences of T tokens. Stages act on the last axis; token mixing (attention) is a stage too.
@@ -293,10 +299,17 @@ class Residual:
 
 @dataclass(frozen=True)
 class HeadContext:
-    """What a head may depend on besides its input: the calibration batch and the seed."""
+    """What a head may depend on besides its input: the calibration batch and the seed.
+
+    ``inputs`` is the batch's calibration input (e.g. token ids, from which a language-model
+    head reads next-token labels) and ``mask`` the real positions the first stage reports
+    (``token_mask``; ``None``: all), when the driver knows them.
+    """
 
     batch_index: int
     seed: int
+    inputs: object = None
+    mask: object = None
 
 
 class SoftmaxCrossEntropy:

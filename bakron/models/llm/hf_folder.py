@@ -1,0 +1,141 @@
+"""Read a Hugging Face model folder of ``LlamaForCausalLM`` or ``Qwen3ForCausalLM``.
+
+The folder holds ``config.json``, the weights (``model.safetensors``, or shards listed in
+``model.safetensors.index.json``; F32, F16 or BF16) and ``tokenizer.json``. Tensors are renamed
+to the GGUF names the rest of bakron uses (``model.layers.3.self_attn.q_proj.weight`` →
+``blk.3.attn_q.weight``; see :data:`HF_NAMES`) and converted to float32/float64. A Hugging Face
+checkpoint already has the rotary row order the forward pass expects (nothing to un-permute).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import numpy as np
+
+from ... import _safetensors
+from .._fetch import ModelUnavailableError
+from .config import LlamaConfig, UnsupportedModelError, check_weights, weight_shapes
+from .tokenizer import Tokenizer
+
+__all__ = ["read_hf_folder", "HF_NAMES", "gguf_name", "hf_name"]
+
+#: Per-block tensor names: Hugging Face suffix -> GGUF suffix.
+HF_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}
+_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+_TO_HF = {v: k for k, v in HF_NAMES.items()}
+
+
+def gguf_name(hf: str) -> str | None:
+    """The GGUF name of a Hugging Face tensor name (``None`` for tensors the model does not
+    use, such as ``rotary_emb.inv_freq``)."""
+    if hf in _GLOBAL:
+        return _GLOBAL[hf]
+    m = _BLOCK.match(hf)
+    if m and m.group(2) in HF_NAMES:
+        return f"blk.{m.group(1)}.{HF_NAMES[m.group(2)]}.weight"
+    return None
+
+
+def hf_name(gguf: str) -> str:
+    """The Hugging Face name of a GGUF tensor name (the inverse of :func:`gguf_name`)."""
+    for k, v in _GLOBAL.items():
+        if v == gguf:
+            return k
+    parts = gguf.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _TO_HF:
+        return f"model.layers.{parts[1]}.{_TO_HF[parts[2]]}.weight"
+    raise KeyError(f"no Hugging Face name for {gguf!r}")
+
+
+def _shards(folder: pathlib.Path) -> dict[str, pathlib.Path]:
+    """``{tensor name: safetensors file}`` for a single file or a sharded index."""
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ModelUnavailableError(f"{index} is not a valid safetensors index "
+                                        f"({type(exc).__name__}: {exc})") from None
+        out = {}
+        for name, f in wmap.items():
+            p = folder / f
+            if not p.is_file():
+                raise ModelUnavailableError(f"{index} lists shard {f!r}, which is missing")
+            out[name] = p
+        return out
+    if single.is_file():
+        header, _ = _read_header(single)
+        return {k: single for k in header if k != "__metadata__"}
+    raise ModelUnavailableError(f"{folder} has neither model.safetensors nor "
+                                f"model.safetensors.index.json")
+
+
+def _read_header(path):
+    try:
+        return _safetensors.read_header(path)
+    except (ValueError, OSError) as exc:
+        raise ModelUnavailableError(f"{path} is not a readable safetensors file ({exc})") \
+            from None
+
+
+def read_hf_folder(folder, *, dtype="float32", tokenizer: bool = True):
+    """``(config, weights, tokenizer)`` of a Hugging Face folder; weights under GGUF names as
+    numpy arrays of ``dtype``; ``tokenizer`` is ``None`` when the folder has no
+    ``tokenizer.json`` (or ``tokenizer=False``)."""
+    folder = pathlib.Path(folder)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelUnavailableError(f"{folder} has no config.json (not a Hugging Face model "
+                                    f"folder)")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ModelUnavailableError(f"{cfg_path} is not valid JSON ({exc})") from None
+    cfg = LlamaConfig.from_hf(raw)
+    where = _shards(folder)
+    for name in where:
+        if name.endswith(".bias") and gguf_name(name[:-5] + ".weight"):
+            raise UnsupportedModelError(f"{folder}: tensor {name!r} is a bias; linear biases "
+                                        f"are not implemented")
+    want = weight_shapes(cfg)
+    by_file: dict[pathlib.Path, dict[str, str]] = {}
+    for name, path in where.items():
+        g = gguf_name(name)
+        if g is not None and g in want:
+            by_file.setdefault(path, {})[name] = g
+    weights = {}
+    for path, names in by_file.items():
+        try:
+            got = _safetensors.load(path, list(names))
+        except (ValueError, KeyError, OSError) as exc:
+            msg = str(exc)
+            kind = (UnsupportedModelError if "unsupported dtype" in msg
+                    else ModelUnavailableError)
+            raise kind(f"cannot read {path}: {msg}") from None
+        for name, arr in got.items():
+            weights[names[name]] = np.ascontiguousarray(arr, dtype=dtype)
+    if cfg.tie_embeddings:
+        weights.pop("output.weight", None)
+    elif "output.weight" not in weights:
+        raise ModelUnavailableError(f"{folder}: config.json sets tie_word_embeddings=false but "
+                                    f"there is no lm_head.weight")
+    check_weights(cfg, weights, source=str(folder))
+    tok = None
+    if tokenizer and (folder / "tokenizer.json").is_file():
+        tok = Tokenizer.from_file(folder / "tokenizer.json", bos_id=cfg.bos_id,
+                                  eos_id=cfg.eos_id)
+    return cfg, weights, tok
