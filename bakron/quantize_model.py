@@ -354,83 +354,93 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                                      "factors": factors, "options": options,
                                      "calibration": calib_note, "out": str(out)})
 
-    def layer_key(name):
-        return f"{key}:{name}"
+    from .distributed._outputs import LockHeld, OutputLock
 
-    def layer_file(name):
-        return work / "layers" / f"{name}.safetensors"
-
-    done = {}
-    for name in names:
-        ok, _reason, _sum, meta = verify_layer_file(str(layer_file(name)), layer_key(name),
-                                                    fmt=_LAYER_FORMAT)
-        if ok:
-            done[name] = meta
-    todo = [n for n in names if n not in done]
-    rows = {n: {"resumed": True, "seconds": float(done[n].get("seconds", 0.0))} for n in done}
-    if done:
-        _say(progress, f"resuming: {len(done)} of {len(names)} layers already in {work}")
-    state = {"W_hat": {}}
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(names), initial=len(done), unit="layer", desc="layers",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
-
-    def finish(name, H_in, H_out):
-        t = time.perf_counter()
-        W = lm.linear_weight(name)
-        q = _fit_grid(W, grid)
-        if H_in is None:
-            values, codes = q.rtn(W)
-        else:
-            from .layer import quantize_layer
-
-            res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), damp=damp,
-                                 metrics="none")
-            values, codes = res.values, res.codes
-        _publish(work, name, layer_key(name), q, values, codes,
-                 seconds=time.perf_counter() - t)
-        if keep_weights:
-            state["W_hat"][name] = np.asarray(_xp.to_numpy(values), dtype=np.float32)
-        rows[name] = {"resumed": False, "seconds": time.perf_counter() - t}
-        bar.set_postfix_str(name, refresh=False)
-        bar.update(1)
-        if _after_layer is not None:
-            _after_layer(name)
-
-    t0 = time.perf_counter()
+    lock = OutputLock(str(work))
     try:
-        if todo and factors == "rtn":
-            for name in todo:
-                finish(name, None, None)
-        elif todo:
-            _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish,
-                     progress)
+        lock.acquire()
+    except LockHeld as exc:
+        raise OutputExistsError(str(exc)) from None
+    try:
+        def layer_key(name):
+            return f"{key}:{name}"
+
+        def layer_file(name):
+            return work / "layers" / f"{name}.safetensors"
+
+        done = {}
+        for name in names:
+            ok, _reason, _sum, meta = verify_layer_file(str(layer_file(name)), layer_key(name),
+                                                        fmt=_LAYER_FORMAT)
+            if ok:
+                done[name] = meta
+        todo = [n for n in names if n not in done]
+        rows = {n: {"resumed": True, "seconds": float(done[n].get("seconds", 0.0))} for n in done}
+        if done:
+            _say(progress, f"resuming: {len(done)} of {len(names)} layers already in {work}")
+        state = {"W_hat": {}}
+
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(names), initial=len(done), unit="layer", desc="layers",
+                   disable=not progress, file=sys.stderr, dynamic_ncols=True)
+
+        def finish(name, H_in, H_out):
+            t = time.perf_counter()
+            W = lm.linear_weight(name)
+            q = _fit_grid(W, grid)
+            if H_in is None:
+                values, codes = q.rtn(W)
+            else:
+                from .layer import quantize_layer
+
+                res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), damp=damp,
+                                     metrics="none")
+                values, codes = res.values, res.codes
+            _publish(work, name, layer_key(name), q, values, codes,
+                     seconds=time.perf_counter() - t)
+            if keep_weights:
+                state["W_hat"][name] = np.asarray(_xp.to_numpy(values), dtype=np.float32)
+            rows[name] = {"resumed": False, "seconds": time.perf_counter() - t}
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(1)
+            if _after_layer is not None:
+                _after_layer(name)
+
+        t0 = time.perf_counter()
+        try:
+            if todo and factors == "rtn":
+                for name in todo:
+                    finish(name, None, None)
+            elif todo:
+                _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish,
+                         progress)
+        finally:
+            bar.close()
+        seconds["factors_and_solves"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        layers = {}
+        for name in names:
+            path = layer_file(name)
+            ok, reason, _sum, _meta = verify_layer_file(str(path), layer_key(name),
+                                                        fmt=_LAYER_FORMAT)
+            if not ok:
+                raise OSError(f"{path}: the layer file no longer verifies ({reason})")
+            from .io import read_tensors
+
+            W = lm.linear_weight(name)
+            q = _fit_grid(W, grid)
+            W_hat = _decode(q, read_tensors(path)["codes"])
+            if keep_weights and name not in state["W_hat"]:
+                state["W_hat"][name] = W_hat
+            layers[name] = (W_hat, q)
+        _say(progress, f"writing {out} ...")
+        _export(fmt, out, src, layers)
+        seconds["export"] = time.perf_counter() - t0
+        seconds["total"] = time.perf_counter() - t_start
     finally:
-        bar.close()
-    seconds["factors_and_solves"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    layers = {}
-    for name in names:
-        path = layer_file(name)
-        ok, reason, _sum, _meta = verify_layer_file(str(path), layer_key(name),
-                                                    fmt=_LAYER_FORMAT)
-        if not ok:
-            raise OSError(f"{path}: the layer file no longer verifies ({reason})")
-        from .io import read_tensors
-
-        W = lm.linear_weight(name)
-        q = _fit_grid(W, grid)
-        W_hat = _decode(q, read_tensors(path)["codes"])
-        if keep_weights and name not in state["W_hat"]:
-            state["W_hat"][name] = W_hat
-        layers[name] = (W_hat, q)
-    _say(progress, f"writing {out} ...")
-    _export(fmt, out, src, layers)
-    seconds["export"] = time.perf_counter() - t0
-    seconds["total"] = time.perf_counter() - t_start
+        lock.release()
     shutil.rmtree(work, ignore_errors=True)
     result = {"out": str(out), "model": str(model), "source": str(src), "grid": grid,
               "factors": factors, "calibration": {"text": calib_note, "sequences": len(seqs),

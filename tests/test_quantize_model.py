@@ -145,6 +145,21 @@ def test_other_settings_do_not_resume_a_work_folder(models, tmp_path):
     assert rc == 2 and not out.exists()
 
 
+def test_a_work_folder_in_use_is_refused(models, tmp_path, capsys):
+    from bakron.distributed._outputs import OutputLock
+
+    out = tmp_path / "q.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(models / "tiny.gguf", out, fmt="gguf-q4_0", factors="rtn",
+                       _after_layer=lambda n: (_ for _ in ()).throw(KeyboardInterrupt), **FAST)
+    with OutputLock(str(work_folder(out))):   # another run is working on it
+        rc = main(["quantize-model", str(models / "tiny.gguf"), "--out", str(out), "--factors",
+                   "rtn", "--quiet"])
+    assert rc == 3 and "in use" in capsys.readouterr().err and not out.exists()
+    assert main(["quantize-model", str(models / "tiny.gguf"), "--out", str(out), "--factors",
+                 "rtn", "--quiet"]) == 0
+
+
 def test_decode_matches_the_grid_values():
     rng = np.random.default_rng(0)
     W = rng.standard_normal((8, 64)).astype(np.float32)
