@@ -45,7 +45,7 @@ from ._lib.fs import atomic_write_json
 from .io import InputError, OutputExistsError
 
 __all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_sequences",
-           "perplexity_and_kl"]
+           "perplexity_and_kl", "reference_log_probs"]
 
 FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
 FACTORS = ("rtn", "input", "global", "input+global-out")
@@ -512,15 +512,27 @@ def _export(fmt, out, src, layers):
 
 # -- evaluation ----------------------------------------------------------------------------------
 
+def reference_log_probs(model, sequences, *, batch_size: int = 4) -> list:
+    """The next-token log-probabilities of ``model`` on ``sequences`` as host arrays (one
+    ``(rows, ids, log_probs)`` per batch), to pass as ``reference`` to
+    :func:`perplexity_and_kl` when several models are compared with one reference."""
+    return [(rows, np.asarray(_xp.to_numpy(ids)), np.asarray(_xp.to_numpy(lp)))
+            for rows, ids, lp in model.batch_log_probs(sequences, batch_size=batch_size)]
+
+
 def perplexity_and_kl(reference, quantized, sequences, *, batch_size: int = 4) -> dict:
     """Perplexity of ``quantized`` on ``sequences`` and the mean per-token
     KL(reference ‖ quantized) of the next-token distributions (both models'
-    :meth:`~bakron.models.llm.CausalLM.batch_log_probs`; ``reference=None`` skips the KL)."""
+    :meth:`~bakron.models.llm.CausalLM.batch_log_probs`; ``reference`` is a model, the list
+    of :func:`reference_log_probs` for the same sequences and batch size, or ``None`` to skip
+    the KL)."""
     nll = kl = 0.0
     n_tok = 0
     q_batches = quantized.batch_log_probs(sequences, batch_size=batch_size)
-    r_batches = (reference.batch_log_probs(sequences, batch_size=batch_size)
-                 if reference is not None else None)
+    if reference is None or isinstance(reference, list):
+        r_batches = None if reference is None else iter(reference)
+    else:
+        r_batches = reference.batch_log_probs(sequences, batch_size=batch_size)
     for rows, ids, lq in q_batches:
         lr = next(r_batches)[2] if r_batches is not None else None
         ids_np = np.asarray(_xp.to_numpy(ids))

@@ -17,7 +17,8 @@ from bakron.cli import main  # noqa: E402
 from bakron.export import read_gptq  # noqa: E402
 from bakron.models import load_llm  # noqa: E402
 from bakron.quantize_model import (_decode, _fit_grid, _grid_settings,  # noqa: E402
-                                   perplexity_and_kl, quantize_model, work_folder)
+                                   perplexity_and_kl, quantize_model,
+                                   reference_log_probs, work_folder)
 from test_llm_loaders import (tiny_config, tiny_weights, write_gguf,  # noqa: E402
                               write_hf_folder)
 
@@ -77,6 +78,9 @@ def test_gguf_formats_read_back_exactly(models, tmp_path, fmt, factors):
     a = perplexity_and_kl(orig, orig.with_weights(res["weights"]), ids)
     b = perplexity_and_kl(orig, back, ids)
     assert a == b and a["kl"] > 0
+    assert perplexity_and_kl(reference_log_probs(orig, ids), back, ids) == b
+    same = perplexity_and_kl(orig, orig, ids)
+    assert same["kl"] == 0 and same["tokens"] == b["tokens"]
 
 
 @pytest.mark.parametrize("sym", [True, False])
