@@ -473,6 +473,12 @@ def _cmd_quantize_model(args) -> int:
     except OutputExistsError as exc:
         _err(f"bakron quantize-model: {exc}")
         return EXIT_OUT_EXISTS
+    except (KeyboardInterrupt, Terminated):
+        work = qm.work_folder(out)
+        if work.is_dir():
+            _err(f"bakron quantize-model: the finished layers are kept in {work}; the same "
+                 f"command continues from them")
+        raise
     except (ModelUnavailableError, ChecksumError) as exc:
         raise Unavailable(f"the model is not available: {exc}") from None
     except ImportError as exc:

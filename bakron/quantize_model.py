@@ -408,15 +408,18 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                 _after_layer(name)
 
         t0 = time.perf_counter()
+        report = None
         try:
             if todo and factors == "rtn":
                 for name in todo:
                     finish(name, None, None)
             elif todo:
-                _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish,
-                         progress)
+                report = _collect(lm, xp, seqs, todo, factors, options, memory_budget,
+                                  batch_size, finish)
         finally:
             bar.close()
+        if report is not None:
+            _say(progress, str(report))
         seconds["factors_and_solves"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -467,9 +470,9 @@ def _publish(work, name, key, q, values, codes, *, seconds):
                     out_dir=str(work), journal={"layer": name})
 
 
-def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish,
-             progress):
-    """Run the Hessian passes and hand each layer of ``todo`` to ``finish`` as it is final."""
+def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish):
+    """Run the Hessian passes and hand each layer of ``todo`` to ``finish`` as it is final;
+    returns the passes' report."""
     from .hessian import global_factors, pad_batches
 
     batches, _ = pad_batches(seqs, batch_size=batch_size, xp=xp,
@@ -492,7 +495,7 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
                             seed=options["seed"], budget_bytes=memory_budget, layers=todo,
                             sink=sink,
                             kfac_sink=keep_local if factors == "input+global-out" else None)
-    _say(progress, str(rep))
+    return rep
 
 
 def _export(fmt, out, src, layers):
