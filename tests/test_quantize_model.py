@@ -167,6 +167,27 @@ def test_a_work_folder_in_use_is_refused(models, tmp_path, capsys):
                  "rtn", "--quiet"]) == 0
 
 
+def test_calibration_sequences(models):
+    from bakron.quantize_model import _builtin_split, calibration_sequences
+
+    lm = load_llm(models / "tiny.gguf")
+    docs = ["the theme then", "he the", "t"]
+    stream = []
+    for ids in lm.tokenize(docs):
+        stream += ids + [lm.config.eos_id]
+    seqs = calibration_sequences(lm, docs, 3, 4)
+    assert seqs == [stream[0:4], stream[4:8], stream[8:12]]
+    everything = calibration_sequences(lm, docs, 100, 5)   # the text runs out
+    want = [stream[i:i + 5] for i in range(0, len(stream), 5)]
+    assert everything == [c for c in want if len(c) >= 2] and len(stream) < 500
+    # the built-in calibration text never holds a sentence of the held-out topics
+    from bakron.models.textdata import calibration_and_heldout
+
+    cal, held = _builtin_split()
+    _, some_held = calibration_and_heldout(0, 30, seed=0)
+    assert set(some_held) <= set(held) and not set(some_held) & set(cal)
+
+
 def test_decode_matches_the_grid_values():
     rng = np.random.default_rng(0)
     W = rng.standard_normal((8, 64)).astype(np.float32)
