@@ -42,9 +42,29 @@ def heldout_texts(cache=None, n=16):
         return held, f"48 held-out Language Reference sentences (Lee unavailable: {exc})"
 
 
+LABELS = {"rtn": "RTN (llama.cpp's rule)", "input": "one-sided LDLQ, local H_in",
+          "global": "two-sided, global H_out ⊗ H_in", "input+global-out":
+          "two-sided, local H_in, global H_out"}
+
+
+def markdown(res: dict) -> str:
+    """The table of docs/export.md from a summary."""
+    o = res["original"]
+    lines = ["| rounding into Q4_0 | perplexity | mean KL per token | quantize-model wall time |",
+             "|---|---|---|---|",
+             f"| original (de-quantized Q4_1 weights) | {o['perplexity']:.3f} | 0 | |"]
+    for k, r in res["methods"].items():
+        f = r["from_file"]
+        lines.append(f"| {LABELS.get(k, k)} | {f['perplexity']:.3f} | {f['kl']:.4f} | "
+                     f"{r['seconds']['total']:.0f} s |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("out")
+    p.add_argument("--render", action="store_true",
+                   help="only print the markdown table of OUT/summary.json")
     p.add_argument("--calib-seqs", type=int, default=32)
     p.add_argument("--calib-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -54,6 +74,9 @@ def main(argv=None):
     p.add_argument("--memory-budget", type=int, default=None)
     a = p.parse_args(argv)
     out = Path(a.out)
+    if a.render:
+        print(markdown(json.loads((out / "summary.json").read_text())))
+        return None
     out.mkdir(parents=True, exist_ok=True)
     ref = load_llm("smollm2")
     texts, source = heldout_texts()
@@ -98,6 +121,7 @@ def main(argv=None):
         res["methods"][factors] = row
         print(json.dumps({factors: row}, indent=1), flush=True)
         atomic_write_json(out / "summary.json", res)
+    print(markdown(res))
     return res
 
 
