@@ -214,6 +214,29 @@ def test_cli_writes_the_export(models, tmp_path, capsys):
     assert load_llm(out).config.num_layers == 2
 
 
+def test_cli_interrupt_keeps_the_finished_layers(models, tmp_path, capsys, monkeypatch):
+    import bakron.quantize_model as qm
+
+    real = qm._publish
+    count = []
+
+    def dies(*a, **k):
+        real(*a, **k)
+        count.append(1)
+        if len(count) == 3:
+            raise KeyboardInterrupt   # Ctrl-C after the third layer
+
+    monkeypatch.setattr(qm, "_publish", dies)
+    rc, out = _cli(models, tmp_path, "--factors", "input")
+    err = capsys.readouterr().err
+    assert rc == 130 and "kept in" in err and not out.exists()
+    assert len(list((work_folder(out) / "layers").glob("*.safetensors"))) == 3
+    monkeypatch.setattr(qm, "_publish", real)
+    rc = main(["quantize-model", str(models / "tiny.gguf"), "--out", str(out), "--factors",
+               "input", "--calib-seqs", "4", "--calib-len", "16"])
+    assert rc == 0 and "(3 resumed)" in capsys.readouterr().out and out.is_file()
+
+
 @pytest.mark.parametrize("args,code,match", [
     (("--format", "gguf-q4_0", "--bits", "3"), 2, "cannot represent a 3-bit grid"),
     (("--format", "gguf-q4_1", "--group-size", "64"), 2, "groups of 64"),
