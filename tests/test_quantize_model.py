@@ -1,0 +1,324 @@
+"""``bakron quantize-model`` on tiny random Llama models written by the tests (GGUF files and
+Hugging Face folders), and the end-to-end check on SmolLM2 when it can be fetched."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+pytest.importorskip("tqdm")
+
+from bakron.cli import main  # noqa: E402
+from bakron.export import read_gptq  # noqa: E402
+from bakron.models import load_llm  # noqa: E402
+from bakron.quantize_model import (_decode, _fit_grid, _grid_settings,  # noqa: E402
+                                   perplexity_and_kl, quantize_model,
+                                   reference_log_probs, work_folder)
+from test_llm_loaders import (tiny_config, tiny_weights, write_gguf,  # noqa: E402
+                              write_hf_folder)
+
+FAST = {"calib_seqs": 4, "calib_len": 16, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny llama GGUF (F32 tensors) and the same weights as a BF16 Hugging Face folder."""
+    d = tmp_path_factory.mktemp("models")
+    cfg = tiny_config(tied=False)
+    w = tiny_weights(cfg, seed=3)
+    write_gguf(d / "tiny.gguf", cfg, w)
+    tok = load_llm(d / "tiny.gguf").tokenizer
+    write_hf_folder(d / "hf", cfg, w, dtype="BF16", tokenizer=tok)
+    write_hf_folder(d / "hf32", cfg, w, dtype="F32", tokenizer=tok)
+    return d
+
+
+def _rtn(lm, name, grid):
+    W = lm.linear_weight(name)
+    v, _ = _fit_grid(W, grid).rtn(W)
+    return np.asarray(v, dtype=np.float32)
+
+
+@pytest.mark.parametrize("fmt,factors", [("gguf-q4_0", "global"), ("gguf-q4_1", "input"),
+                                         ("gguf-q8_0", "input+global-out"),
+                                         ("gguf-q4_0", "rtn")])
+def test_gguf_formats_read_back_exactly(models, tmp_path, fmt, factors):
+    out = tmp_path / "q.gguf"
+    res = quantize_model(models / "tiny.gguf", out, fmt=fmt, factors=factors,
+                         keep_weights=True, **FAST)
+    assert out.is_file() and not work_folder(out).exists()
+    orig = res["model_object"]
+    back = load_llm(out)
+    grid = _grid_settings(fmt, None, None, None)
+    # the GGUF's own de-quantization (gguf's reader, llama.cpp order undone) gives W_hat
+    # bit for bit, and every other tensor is the source's
+    reader = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    differs = 0
+    for name in orig.linear_names():
+        assert types[name + ".weight"] == fmt.split("-")[1].upper()
+        W_hat = res["weights"][name]
+        np.testing.assert_array_equal(np.asarray(back.linear_weight(name)), W_hat)
+        rtn = _rtn(orig, name, grid)
+        if factors == "rtn":
+            np.testing.assert_array_equal(W_hat, rtn)
+        else:
+            differs += int(np.any(W_hat != rtn))
+    if factors != "rtn":   # the Hessian-aware rounding moves away from round-to-nearest
+        assert differs >= len(orig.linear_names()) // 2
+    for key in ("token_embd.weight", "output.weight", "blk.0.attn_norm.weight"):
+        np.testing.assert_array_equal(np.asarray(back.weights[key]),
+                                      np.asarray(orig.weights[key]))
+    ids = orig.tokenize(["the theme of the text", "then the"])
+    a = perplexity_and_kl(orig, orig.with_weights(res["weights"]), ids)
+    b = perplexity_and_kl(orig, back, ids)
+    assert a == b and a["kl"] > 0
+    assert perplexity_and_kl(reference_log_probs(orig, ids), back, ids) == b
+    same = perplexity_and_kl(orig, orig, ids)
+    assert same["kl"] == 0 and same["tokens"] == b["tokens"]
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_folder_unpacks_to_w_hat(models, tmp_path, sym):
+    out = tmp_path / "gptq"
+    res = quantize_model(models / "hf", out, fmt="gptq", factors="global", bits=4,
+                         group_size=32, sym=sym, keep_weights=True, **FAST)
+    conf = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert conf["bits"] == 4 and conf["group_size"] == 32 and conf["sym"] is sym
+    unpacked = read_gptq(out)
+    from bakron.export import hf_linear_name
+
+    for name, W_hat in res["weights"].items():
+        np.testing.assert_array_equal(
+            np.asarray(unpacked[hf_linear_name(name) + ".weight"], dtype=np.float32), W_hat)
+
+
+def test_float_export_keeps_the_source_dtype(models, tmp_path):
+    out = tmp_path / "float"
+    res = quantize_model(models / "hf32", out, fmt="float", factors="input", bits=3,
+                         group_size=16, keep_weights=True, **FAST)
+    back = load_llm(out)   # F32 source: W_hat stored exactly
+    for name, W_hat in res["weights"].items():
+        np.testing.assert_array_equal(np.asarray(back.linear_weight(name)), W_hat)
+        assert len(np.unique(W_hat[0, :16])) <= 8   # 3 bits: at most 8 levels per group
+    out16 = tmp_path / "float16"
+    quantize_model(models / "hf", out16, fmt="float", factors="rtn", **FAST)
+    header = (out16 / "model.safetensors").read_bytes()
+    n = int.from_bytes(header[:8], "little")
+    meta = json.loads(header[8:8 + n])
+    assert meta["model.layers.0.mlp.up_proj.weight"]["dtype"] == "BF16"
+
+
+def test_resume_after_a_kill(models, tmp_path):
+    full = tmp_path / "full.gguf"
+    quantize_model(models / "tiny.gguf", full, fmt="gguf-q4_0", factors="global", **FAST)
+    out = tmp_path / "resumed.gguf"
+    seen = []
+
+    def killed(name):
+        seen.append(name)
+        if len(seen) == 5:
+            raise KeyboardInterrupt   # the process dies after its fifth layer
+
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(models / "tiny.gguf", out, fmt="gguf-q4_0", factors="global",
+                       _after_layer=killed, **FAST)
+    assert not out.exists()
+    files = sorted(p.stem for p in (work_folder(out) / "layers").glob("*.safetensors"))
+    assert files == sorted(seen)
+    bad = work_folder(out) / "layers" / f"{seen[1]}.safetensors"   # a layer file torn apart
+    bad.write_bytes(bad.read_bytes()[:-7])
+    again = []
+    res = quantize_model(models / "tiny.gguf", out, fmt="gguf-q4_0", factors="global",
+                         _after_layer=again.append, **FAST)
+    assert res["resumed"] == 4 and set(again) & set(seen) == {seen[1]}
+    assert len(again) == 14 - 4
+    assert out.read_bytes() == full.read_bytes()
+    assert not work_folder(out).exists()
+
+
+def test_other_settings_do_not_resume_a_work_folder(models, tmp_path):
+    out = tmp_path / "q.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(models / "tiny.gguf", out, fmt="gguf-q4_0", factors="input",
+                       _after_layer=lambda n: (_ for _ in ()).throw(KeyboardInterrupt), **FAST)
+    rc = main(["quantize-model", str(models / "tiny.gguf"), "--out", str(out), "--factors",
+               "global", "--calib-seqs", "4", "--calib-len", "16", "--quiet"])
+    assert rc == 2 and not out.exists()
+
+
+def test_a_work_folder_in_use_is_refused(models, tmp_path, capsys):
+    from bakron.distributed._outputs import OutputLock
+
+    out = tmp_path / "q.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(models / "tiny.gguf", out, fmt="gguf-q4_0", factors="rtn",
+                       _after_layer=lambda n: (_ for _ in ()).throw(KeyboardInterrupt), **FAST)
+    with OutputLock(str(work_folder(out))):   # another run is working on it
+        rc = main(["quantize-model", str(models / "tiny.gguf"), "--out", str(out), "--factors",
+                   "rtn", "--quiet"])
+    assert rc == 3 and "in use" in capsys.readouterr().err and not out.exists()
+    assert main(["quantize-model", str(models / "tiny.gguf"), "--out", str(out), "--factors",
+                 "rtn", "--quiet"]) == 0
+
+
+def test_calibration_sequences(models):
+    from bakron.quantize_model import _builtin_split, calibration_sequences
+
+    lm = load_llm(models / "tiny.gguf")
+    docs = ["the theme then", "he the", "t"]
+    stream = []
+    for ids in lm.tokenize(docs):
+        stream += ids + [lm.config.eos_id]
+    seqs = calibration_sequences(lm, docs, 3, 4)
+    assert seqs == [stream[0:4], stream[4:8], stream[8:12]]
+    everything = calibration_sequences(lm, docs, 100, 5)   # the text runs out
+    want = [stream[i:i + 5] for i in range(0, len(stream), 5)]
+    assert everything == [c for c in want if len(c) >= 2] and len(stream) < 500
+    # the built-in calibration text never holds a sentence of the held-out topics
+    from bakron.models.textdata import calibration_and_heldout
+
+    cal, held = _builtin_split()
+    _, some_held = calibration_and_heldout(0, 30, seed=0)
+    assert set(some_held) <= set(held) and not set(some_held) & set(cal)
+
+
+def test_decode_matches_the_grid_values():
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((8, 64)).astype(np.float32)
+    for fmt, bits, gs, sym in (("gguf-q4_0", None, None, None), ("gguf-q4_1", None, None, None),
+                               ("gguf-q8_0", None, None, None), ("gptq", 2, 32, False),
+                               ("gptq", 8, 64, True), ("float", 3, 16, False),
+                               ("float", 5, 32, True)):
+        q = _fit_grid(W, _grid_settings(fmt, bits, gs, sym))
+        v, c = q.rtn(W)
+        np.testing.assert_array_equal(_decode(q, np.asarray(c)), np.asarray(v))
+
+
+def _cli(models, tmp_path, *args, model="tiny.gguf", out="o.gguf"):
+    target = tmp_path / out
+    rc = main(["quantize-model", str(models / model) if model else "", "--out", str(target),
+               "--calib-seqs", "4", "--calib-len", "16", "--quiet", *args])
+    return rc, target
+
+
+def test_cli_writes_the_export(models, tmp_path, capsys):
+    rc, out = _cli(models, tmp_path, "--format", "gguf-q8_0", "--factors", "input",
+                   "--memory-budget", "64M")
+    assert rc == 0 and out.is_file()
+    assert load_llm(out).config.num_layers == 2
+
+
+def test_cli_interrupt_keeps_the_finished_layers(models, tmp_path, capsys, monkeypatch):
+    import bakron.quantize_model as qm
+
+    real = qm._publish
+    count = []
+
+    def dies(*a, **k):
+        real(*a, **k)
+        count.append(1)
+        if len(count) == 3:
+            raise KeyboardInterrupt   # Ctrl-C after the third layer
+
+    monkeypatch.setattr(qm, "_publish", dies)
+    rc, out = _cli(models, tmp_path, "--factors", "input")
+    err = capsys.readouterr().err
+    assert rc == 130 and "kept in" in err and not out.exists()
+    assert len(list((work_folder(out) / "layers").glob("*.safetensors"))) == 3
+    monkeypatch.setattr(qm, "_publish", real)
+    rc = main(["quantize-model", str(models / "tiny.gguf"), "--out", str(out), "--factors",
+               "input", "--calib-seqs", "4", "--calib-len", "16"])
+    assert rc == 0 and "(3 resumed)" in capsys.readouterr().out and out.is_file()
+
+
+@pytest.mark.parametrize("args,code,match", [
+    (("--format", "gguf-q4_0", "--bits", "3"), 2, "cannot represent a 3-bit grid"),
+    (("--format", "gguf-q4_1", "--group-size", "64"), 2, "groups of 64"),
+    (("--format", "gguf-q8_0", "--asym"), 2, "--sym/--asym"),
+    (("--format", "gptq", "--bits", "3"), 2, "cannot represent a 3-bit grid"),
+    (("--format", "gptq",), 2, "Hugging Face source"),
+    (("--calib", "/nonexistent/calib.txt",), 2, "no such file"),
+    (("--memory-budget", "lots"), 2, "number of bytes"),
+])
+def test_cli_errors_on_a_gguf_source(models, tmp_path, capsys, args, code, match):
+    rc, out = _cli(models, tmp_path, *args)
+    assert rc == code and match in capsys.readouterr().err
+    assert not out.exists() and not work_folder(out).exists()
+
+
+def test_cli_errors(models, tmp_path, capsys):
+    def check(rc, code, match, out):
+        err = capsys.readouterr().err
+        assert rc == code and match in err, err
+        assert not work_folder(out).exists()
+
+    # a format that cannot hold the model's shapes: groups of 48 do not divide 32 inputs
+    rc, out = _cli(models, tmp_path, "--format", "gptq", "--group-size", "48", model="hf")
+    check(rc, 2, "not a multiple of 48", out)
+    assert not out.exists()
+    rc, out = _cli(models, tmp_path, "--format", "gguf-q4_0", model="hf")
+    check(rc, 2, "GGUF source", out)
+    # OUT exists: never replaced
+    (tmp_path / "there.gguf").write_bytes(b"keep")
+    rc, out = _cli(models, tmp_path, out="there.gguf")
+    check(rc, 3, "already exists", out)
+    assert out.read_bytes() == b"keep"
+    # a missing model and a sharded folder with a missing shard: exit 4
+    rc, out = _cli(models, tmp_path, model="nothing.gguf")
+    check(rc, 4, "not found", out)
+    cfg = tiny_config()
+    w = tiny_weights(cfg)
+    write_hf_folder(tmp_path / "shard", cfg, w, shards=2)
+    (tmp_path / "shard" / "model-00002-of-00002.safetensors").unlink()
+    rc, out = main(["quantize-model", str(tmp_path / "shard"), "--out",
+                    str(tmp_path / "s-out"), "--format", "float", "--quiet"]), tmp_path / "s-out"
+    check(rc, 4, "missing", out)
+    assert not out.exists()
+    # an unsupported architecture and a tensor type the reader cannot de-quantize: exit 2
+    write_gguf(tmp_path / "gpt2.gguf", cfg, w, arch="gpt2")
+    rc, out = _cli(tmp_path, tmp_path, model="gpt2.gguf")
+    check(rc, 2, "architecture 'gpt2'", out)
+    q81 = gguf.GGMLQuantizationType.Q8_1
+    raw = np.zeros((4, gguf.GGML_QUANT_SIZES[q81][1]), dtype=np.uint8)
+    write_gguf(tmp_path / "q81.gguf", cfg, w, extra_tensors={"extra.weight": (raw, q81)})
+    rc, out = _cli(tmp_path, tmp_path, model="q81.gguf")
+    check(rc, 2, "Q8_1", out)
+    # an empty calibration file
+    (tmp_path / "empty.txt").write_text("\n\n  \n")
+    rc, out = _cli(models, tmp_path, "--calib", str(tmp_path / "empty.txt"))
+    check(rc, 2, "no text", out)
+    assert not out.exists()
+
+
+# -- SmolLM2 (the built-in model; skipped when it cannot be fetched) ---------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from bakron.models.llm import ChecksumError, ModelUnavailableError
+
+    try:
+        return load_llm("smollm2")
+    except (ModelUnavailableError, ChecksumError, OSError) as exc:
+        pytest.skip(f"SmolLM2 cannot be fetched here: {exc}")
+
+
+@pytest.mark.slow
+def test_smollm2_q4_0_file_equals_the_in_memory_model(smollm2, tmp_path):
+    out = tmp_path / "smollm2-q4_0.gguf"
+    res = quantize_model("smollm2", out, fmt="gguf-q4_0", factors="input", calib_seqs=4,
+                         calib_len=32, keep_weights=True, progress=False)
+    from bakron.models.textdata import calibration_and_heldout
+
+    _, held = calibration_and_heldout(0, 6, seed=1)
+    ids = [s[:48] for s in smollm2.tokenize(held)]
+    a = perplexity_and_kl(smollm2, smollm2.with_weights(res["weights"]), ids)
+    b = perplexity_and_kl(smollm2, load_llm(out), ids)
+    assert a == b
+    assert 0 < a["kl"] < 1.0
+    assert os.path.getsize(out) < os.path.getsize(pathlib.Path(res["source"])) * 1.2
