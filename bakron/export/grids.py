@@ -70,6 +70,14 @@ class BlockGrid(UniformQuantizer):
     format: str = ""
     block_bytes: int = 0
 
+    def _blocks_and_inverse(self, W):
+        """W's blocks of 32 and llama.cpp's inverse of the unrounded scale (``1/d``, 0 where
+        ``d`` is 0), in float32 as llama.cpp computes them, for the formats' RTN rules."""
+        d = self._d_fit
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        return _blocks(W, self.format), inv
+
     def check_shape(self, m: int, n: int) -> None:
         if n % BLOCK:
             raise ValueError(f"{self.format} stores blocks of {BLOCK} inputs, but W has {n} "
@@ -141,10 +149,7 @@ class Q8_0Grid(BlockGrid):
         """llama.cpp's round-to-nearest (ties away from zero, with the unrounded scale)."""
         if self._d_fit is None:
             return super().rtn(W)
-        b = _blocks(W, self.format)
-        d = self._d_fit
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        b, inv = self._blocks_and_inverse(W)
         a = np.abs(b * inv[..., None])
         fl = np.floor(a)  # half away from zero, in float32 as llama.cpp (no a + 0.5 rounding)
         q = np.sign(b * inv[..., None]) * (fl + np.floor(2 * (a - fl)))
@@ -196,10 +201,7 @@ class Q4_0Grid(BlockGrid):
         """llama.cpp's round-to-nearest: ``trunc(w / d + 8.5)`` with the unrounded ``d``."""
         if self._d_fit is None:
             return super().rtn(W)
-        b = _blocks(W, self.format)
-        d = self._d_fit
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        b, inv = self._blocks_and_inverse(W)
         nib = np.clip(np.trunc(b * inv[..., None] + np.float32(8.5)), 0, 15)
         q = np.where((self.d < 0)[..., None], 15 - nib, nib).reshape(W.shape)  # our code
         s = np.repeat(self._scale, BLOCK, axis=1)
