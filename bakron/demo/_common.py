@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 __all__ = ["log", "namespace", "blas_limit", "Clock", "PeakMemory", "md_table", "png",
-           "warm_up", "prepare_cached"]
+           "warm_up", "prepare_cached", "ProxyPairs"]
 
 
 def log(progress: bool, msg: str) -> None:
@@ -203,3 +203,31 @@ def prepare_cached(cache, H, block, damp, key=None):
         _xp.sync(xp)
         cache[key] = (A, time.perf_counter() - t0, f.damp)
     return cache[key]
+
+
+class ProxyPairs:
+    """Proxy errors of one layer under several named (H_I, H_O) pairs, through the library's
+    one implementation (:class:`bakron._lib.proxy.ProxyMetrics`) with float32 products (the
+    demos' per-layer figures).
+
+    A pair that is the same matrices under two names (e.g. the attention kind's
+    ``(H_I, None)`` of a feed-forward layer and the one-sided pair) is computed once per
+    weight matrix.
+    """
+
+    def __init__(self, xp, W, pairs: dict):
+        from .._lib.proxy import ProxyMetrics
+
+        self.pairs, self._by_key, self._memo = {}, {}, {}
+        for k, (Hi, Ho) in pairs.items():
+            key = (id(Hi), id(Ho))
+            if key not in self._by_key:
+                self._by_key[key] = ProxyMetrics(xp, W, Hi, Ho, dtype=xp.float32)
+            self.pairs[k] = key
+
+    def __call__(self, values, metric: str) -> float:
+        key = self.pairs[metric]
+        memo = (id(values), key)
+        if memo not in self._memo:
+            self._memo[memo] = (values, self._by_key[key].error(values, "two"))
+        return self._memo[memo][1]

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .._validate import check_bits_list
-from ._common import Clock, PeakMemory, blas_limit, log, md_table, namespace, png, \
+from ._common import Clock, PeakMemory, ProxyPairs, blas_limit, log, md_table, namespace, png, \
     prepare_cached, warm_up
 
 __all__ = ["run", "METHODS", "quick_layers", "evaluate", "dequantize_codes"]
@@ -570,7 +570,7 @@ class _Run:
         for k, v in fc.items():
             if k[0] == id(H_loc):
                 self.local_prepared[k] = v
-        metric = _Proxy(xp, W, {"global": (H_g, Ho_g), "local": (H_loc, None)}) \
+        metric = ProxyPairs(xp, W, {"global": (H_g, Ho_g), "local": (H_loc, None)}) \
             if self.proxy_bits is not None else None
         for b in self.bits:
             qz = UniformQuantizer.fit(W, b, **self.grid_kw(b))
@@ -699,28 +699,6 @@ def _device_of(lm):
 
     w = next(iter(lm.weights.values()))
     return _xp.device(w)
-
-
-class _Proxy:
-    """Relative proxy errors ``tr(E H_I Eᵀ H_O) / tr(W H_I Wᵀ H_O)`` under named factor pairs
-    (float32 GEMMs, float64 sums)."""
-
-    def __init__(self, xp, W, pairs):
-        self.xp, self.W = xp, W
-        self.pairs = {k: (xp.astype(Hi, xp.float32),
-                          None if Ho is None else xp.astype(Ho, xp.float32))
-                      for k, (Hi, Ho) in pairs.items()}
-        self.den = {k: self._quad(W, *p) for k, p in self.pairs.items()}
-
-    def _quad(self, X, Hi, Ho):
-        xp = self.xp
-        XH = xp.matmul(X, Hi)
-        if Ho is not None:
-            XH = xp.matmul(Ho, XH)
-        return float(xp.sum(xp.astype(XH * X, xp.float64)))
-
-    def __call__(self, values, key):
-        return self._quad(self.W - values, *self.pairs[key]) / self.den[key]
 
 
 # -- report -------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ._common import log as _log
 from ._common import md_table as _md_table
 from ._common import namespace as _namespace
 from ._common import png as _png
+from ._common import ProxyPairs as _Metrics
 from ._common import prepare_cached as _prepare
 from ._common import warm_up as _warm_up
 
@@ -51,33 +52,6 @@ QUICK_LAYERS = ("layer.0.query", "layer.0.value")
 _COLORS = {"rtn": "#969696", "ldlq": "#3182bd", "attention": "#e6550d", "local": "#31a354"}
 
 
-
-
-class _Metrics:
-    """Proxy errors of one layer under several (H_I, H_O) pairs, through the library's one
-    implementation (:class:`bakron._lib.proxy.ProxyMetrics`) with float32 products.
-
-    A pair that is the same matrices under two names (e.g. the attention kind's
-    ``(H_I, None)`` of a feed-forward layer and the one-sided pair) is computed once per
-    weight matrix.
-    """
-
-    def __init__(self, xp, W, pairs: dict):
-        from .._lib.proxy import ProxyMetrics
-
-        self.pairs, self._by_key, self._memo = {}, {}, {}
-        for k, (Hi, Ho) in pairs.items():
-            key = (id(Hi), id(Ho))
-            if key not in self._by_key:
-                self._by_key[key] = ProxyMetrics(xp, W, Hi, Ho, dtype=xp.float32)
-            self.pairs[k] = key
-
-    def __call__(self, values, metric: str) -> float:
-        key = self.pairs[metric]
-        memo = (id(values), key)
-        if memo not in self._memo:
-            self._memo[memo] = (values, self._by_key[key].error(values, "two"))
-        return self._memo[memo][1]
 
 
 def _one_minus_cos(E, ref) -> np.ndarray:
