@@ -111,26 +111,7 @@ def _fit_grid(W, grid: dict):
 
 def _decode(grid, codes) -> np.ndarray:
     """``W_hat`` (float32) from codes, with the arithmetic of the grid's ``quantize``."""
-    from .export.grids import Q4_1Grid
-
-    c = np.asarray(codes).astype(np.float32)
-    m, n = c.shape
-    if isinstance(grid, Q4_1Grid):
-        g = grid.group_size
-        d = np.repeat(grid.d.astype(np.float32), g, axis=1)[:, :n]
-        mn = np.repeat(grid.m.astype(np.float32), g, axis=1)[:, :n]
-        return np.where(d > 0, d * c, np.float32(0) * c) + mn
-    s, z = grid.tables(np, "cpu", np.float32)
-
-    def expand(t):
-        r, g = t.shape
-        if g == 1:
-            return np.broadcast_to(t, (m, n))
-        return np.broadcast_to(np.repeat(t, grid.group_size, axis=1)[:, :n], (m, n))
-
-    if z is None:
-        return expand(s) * c
-    return expand(s) * (c - expand(z))
+    return np.asarray(grid.dequantize(np.asarray(codes), dtype=np.float32))
 
 
 # -- calibration ---------------------------------------------------------------------------------

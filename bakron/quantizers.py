@@ -209,6 +209,26 @@ class UniformQuantizer:
             values = s * (c - z)
         return values, xp.astype(c, xp.int16)
 
+    def dequantize(self, codes, dtype=None):
+        """``Ŵ = s (c − z)`` from this grid's codes (m, n), in ``dtype`` (default float32) and
+        the codes' namespace and device: the arithmetic of :meth:`quantize`, so the values
+        are bitwise those of the solve that produced the codes."""
+        xp = _xp.namespace(codes)
+        m, n = codes.shape
+        dtype = xp.float32 if dtype is None else dtype
+        s, z = self.tables(xp, _xp.device(codes), dtype)
+
+        def expand(t):
+            r, g = t.shape
+            if g == 1:
+                return t
+            gs = self.group_size
+            full = xp.broadcast_to(xp.reshape(t, (r, g, 1)), (r, g, gs))
+            return xp.reshape(full, (r, g * gs))[:, :n]
+
+        c = xp.astype(codes, dtype)
+        return expand(s) * c if z is None else expand(s) * (c - expand(z))
+
     def rtn(self, W):
         """Round-to-nearest of the whole matrix: (values, codes)."""
         xp = _xp.namespace(W)

@@ -64,26 +64,9 @@ def quick_layers(names) -> list[str]:
 # -- codes ------------------------------------------------------------------------------------
 
 def dequantize_codes(xp, codes, quantizer, dtype):
-    """``Ŵ = s (c − z)`` from stored codes and the quantizer's tables, in ``dtype`` (the same
-    arithmetic as :meth:`bakron.UniformQuantizer.quantize`, so the values are bitwise those of
-    the solve)."""
-    from .. import _xp
-
-    m, n = codes.shape
-    s, z = quantizer.tables(xp, _xp.device(codes), dtype)
-
-    def expand(t):
-        r, g = t.shape
-        if g == 1:
-            return t
-        gs = quantizer.group_size
-        full = xp.broadcast_to(xp.reshape(t, (r, g, 1)), (r, g, gs))
-        return xp.reshape(full, (r, g * gs))[:, :n]
-
-    c = xp.astype(codes, dtype)
-    if z is None:
-        return expand(s) * c
-    return expand(s) * (c - expand(z))
+    """``Ŵ`` from stored codes (:meth:`bakron.UniformQuantizer.dequantize`: bitwise the
+    values of the solve)."""
+    return quantizer.dequantize(codes, dtype=dtype)
 
 
 def _codes_u8(xp, codes, quantizer):

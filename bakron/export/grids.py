@@ -279,6 +279,17 @@ class Q4_1Grid(BlockGrid):
         v32 = xp.astype(d, xp.float32) * xp.astype(c, xp.float32) + mn
         return xp.astype(v32, targets.dtype), xp.astype(c, xp.int16)
 
+    def dequantize(self, codes, dtype=None):
+        """``Ŵ = d q + m`` (float32 arithmetic, as :meth:`quantize`) from codes (m, n)."""
+        xp = _xp.namespace(codes)
+        dev = _xp.device(codes)
+        n = codes.shape[1]
+        d = np.repeat(self.d.astype(np.float32), self.group_size, axis=1)[:, :n]
+        mn = np.repeat(self.m.astype(np.float32), self.group_size, axis=1)[:, :n]
+        c = xp.astype(codes, xp.float32)
+        v = xp.asarray(d, device=dev) * c + xp.asarray(mn, device=dev)
+        return xp.astype(v, xp.float32 if dtype is None else dtype)
+
     def rtn(self, W):
         """llama.cpp's round-to-nearest: ``trunc((w - min) / d + 0.5)``, unrounded d and min."""
         xp = _xp.namespace(W)
