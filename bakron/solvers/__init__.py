@@ -92,6 +92,10 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
           return_targets: bool = False, max_naive_bytes: int | None = None) -> SolveResult:
     """Round ``W`` with the two-sided rule (docs/algorithm.md, "The rounding rule").
 
+    A stack of layers — ``W`` of shape ``(..., m, n)``, factors ``(..., m, m)``/``(..., n, n)``
+    that broadcast against it, or a sequence of per-item quantizers — goes to
+    :func:`bakron.solve_stack` (docs/stacks.md); every item equals its own single solve.
+
     Parameters
     ----------
     W : array (m, n), float32 or float64
