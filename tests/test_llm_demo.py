@@ -211,7 +211,10 @@ def test_quick_layers():
 @pytest.mark.parametrize("kw, match", [
     ({"methods": ("rtn", "gptq")}, "methods must be"),
     ({"methods": ()}, "methods must be"),
-    ({"group_size": 0}, "group_size"),
+    ({"group_size": 0}, "group_size must be >= 1, got 0"),
+    ({"group_size": 64.0}, "group_size must be an integer, got float"),
+    ({"batch_size": True}, "batch_size must be an integer, got bool"),
+    ({"n_indomain": -1}, "n_indomain must be >= 0"),
     ({"refine_iters": -1}, "refine_iters"),
     ({"refine": "layer"}, "refine must be"),
     ({"accum_dtype": "float16"}, "accum_dtype"),

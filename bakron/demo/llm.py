@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._validate import check_bits_list
+from .._validate import check_bits_list, check_int
 from ._common import Clock, PeakMemory, ProxyPairs, blas_limit, log, md_table, namespace, png, \
     prepare_cached, warm_up
 
@@ -289,12 +289,10 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise ValueError(f"methods must be a non-empty subset of {tuple(METHODS)}, got {bad}")
-    for name, v, lo in (("group_size", group_size, 1), ("batch_size", batch_size, 1),
-                        ("refine_iters", refine_iters, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    if isinstance(n_indomain, bool) or not isinstance(n_indomain, int) or n_indomain < 0:
-        raise ValueError(f"n_indomain must be an integer >= 0, got {n_indomain!r}")
+    group_size, batch_size, refine_iters, n_indomain = (
+        check_int(v, name, minimum=lo) for name, v, lo in (
+            ("group_size", group_size, 1), ("batch_size", batch_size, 1),
+            ("refine_iters", refine_iters, 0), ("n_indomain", n_indomain, 0)))
     for name, v in (("n_calibration", n_calibration), ("n_heldout", n_heldout),
                      ("max_tokens", max_tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
