@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TMP_MARK", "fsync_path", "atomic_write_bytes", "atomic_write_text",
+__all__ = ["TMP_MARK", "fsync_path", "atomic_path", "atomic_write_bytes", "atomic_write_text",
            "atomic_write_json", "jsonable", "umask"]
 
 TMP_MARK = ".tmp-"
@@ -41,27 +41,42 @@ def fsync_path(path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: readers see the old file or the whole new one.
+@contextlib.contextmanager
+def atomic_path(path, *, before_replace=None):
+    """Yield a temporary path beside ``path`` for the block to write; then flush it to disk,
+    rename it over ``path`` and flush the folder: readers see the old file or the whole new
+    one.
 
-    The temporary file ``.NAME.tmp-*`` lives in the same folder (so the rename is atomic), gets
-    the permissions of an ordinary new file (umask applied), is flushed to disk, renamed over
-    ``path``, and the folder is flushed. On any error (or interrupt) it is removed.
+    The temporary file ``.NAME.tmp-*`` lives in the same folder (so the rename is atomic) and
+    gets the permissions of an ordinary new file (umask applied). ``before_replace()``, when
+    given, runs just before the rename and may raise (e.g. ``path`` appeared meanwhile). On any
+    error (or interrupt) the temporary file is removed and ``path`` is untouched.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+    os.close(fd)
     try:
         os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes it private
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a failure here (disk full, I/O error) must reach the caller
+        finally:
+            os.close(fd)
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     fsync_path(path.parent, directory=True)
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def atomic_write_text(path, text: str) -> None:

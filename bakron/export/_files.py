@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from .. import _xp
-from ..io import InputError, OutputExistsError, _fsync_path, _umask, check_output_path
+from .._lib.fs import atomic_path
+from ..io import InputError, OutputExistsError, check_output_path
 
 
 def check_output_file(out, source=None, *, force: bool = False) -> Path:
@@ -39,29 +39,23 @@ def check_output_folder(out, source: Path, *, force: bool = False) -> Path:
 
 @contextlib.contextmanager
 def atomic_output_file(out, *, force: bool = False):
-    """Yield a temporary path next to ``out``; rename it to ``out`` once written and flushed.
+    """Yield a temporary path next to ``out``; rename it to ``out`` once written and flushed
+    (:func:`bakron._lib.fs.atomic_path`), refusing an ``out`` that appeared meanwhile unless
+    ``force``.
 
     If the block raises (or is interrupted) the temporary file is removed and ``out`` is
     untouched; a process killed outright can leave a hidden ``.NAME.tmp-*`` file, never a
     partial ``out``.
     """
     out = Path(os.path.abspath(out))
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())
-        yield tmp
-        _fsync_path(tmp)
+
+    def still_new():
         if (out.exists() or out.is_symlink()) and not force:  # appeared while we worked
             raise OutputExistsError(f"{out} already exists; use force=True (--force) to "
                                     f"replace it")
-        os.replace(tmp, out)
-        _fsync_path(out.parent, directory=True)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
+
+    with atomic_path(out, before_replace=still_new) as tmp:
+        yield tmp
 
 
 def layer_parts(name: str, layer):
