@@ -51,6 +51,9 @@ REPORT_NAME = "report.json"
 #: preparation, solve, proxy errors)
 PROGRESS_INSIDE_LAYER = 1 << 22
 REPORT_FORMAT_VERSION = 1
+#: default ``--stack-memory``: the estimated memory of one stack of same-shape layers
+#: (:func:`_layer_bytes` per layer), docs/cli.md "Stacks"
+STACK_MEMORY = 1 << 30
 
 
 class UsageError(Exception):
@@ -235,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "RTN (default); full = also the one-sided ones; none = skip them "
                         "(fastest)")
     q.add_argument("--quiet", action="store_true", help="no progress or table")
+    q.add_argument("--stack-memory", type=_bytes, default=STACK_MEMORY, metavar="BYTES",
+                   help="memory for one stack of same-shape layers solved together (e.g. 2G; "
+                        "default 1G; 1 solves the layers one by one)")
     q.add_argument("--scheduler", metavar="ADDRESS", default=None,
                    help="one Dask task per layer on this scheduler (tcp://host:8786; workers "
                         "must see the same paths); OUT is resumable (needs bakron[dask])")
@@ -524,10 +530,7 @@ def _quantize_one(args, xp, tensors, info) -> tuple[dict, dict]:
     from ._lib.pipeline import quantize_arrays
 
     t0 = time.perf_counter()
-    settings = {"bits": args.bits, "tile": args.tile, "method": args.method,
-                "engine": args.engine, "damp": args.damp, "symmetric": not args.asym,
-                "granularity": args.scale, "group_size": args.group_size,
-                "scale_method": args.scale_method}
+    settings = _settings(args)
     m, n = info.shape
     big = m * n >= PROGRESS_INSIDE_LAYER and not args.quiet
     say = (lambda msg: _err(f"    {msg} ...")) if big else None
@@ -537,6 +540,105 @@ def _quantize_one(args, xp, tensors, info) -> tuple[dict, dict]:
     entry["input_dtype"] = info.dtype
     entry["seconds_total"] = time.perf_counter() - t0
     return arrays, entry
+
+
+def _sides(args, info) -> str:
+    return ", two-sided" if info.has_H_out and not args.one_sided else ""
+
+
+def _layer_bytes(m: int, n: int, h_out: bool) -> int:
+    """Estimated memory of one layer in a stack, 8 bytes an element: W, the solved values, the
+    RTN values, the codes and the stacked copies (6 m n), and each factor as read, prepared
+    and stacked (4 n² and 4 m²)."""
+    return 8 * (6 * m * n + 4 * n * n + (4 * m * m if h_out else 0))
+
+
+def _stack_chunks(infos, one_sided: bool, budget: int) -> list[list[int]]:
+    """Indices of ``infos`` in stacks: layers of the same shape, stored dtype and sidedness, in
+    order of first appearance, cut so that each stack's :func:`_layer_bytes` fit ``budget``
+    (one layer at least)."""
+    from .layer_groups import group_layers
+
+    keys = [(tuple(i.shape), i.dtype, i.has_H_out and not one_sided) for i in infos]
+    chunks = []
+    for group in group_layers(keys):
+        cur, used = [], 0
+        for k in group:
+            b = _layer_bytes(*infos[k].shape, infos[k].has_H_out)
+            if cur and used + b > budget:
+                chunks.append(cur)
+                cur, used = [], 0
+            cur.append(k)
+            used += b
+        chunks.append(cur)
+    return chunks
+
+
+def _quantize_chunk(args, xp, infos) -> list:
+    """Quantize a stack of same-shape layers, read from their files now: per layer
+    ``(arrays, report entry)`` or the exception it failed with. One layer goes through
+    :func:`_quantize_one`; a stack through the same pipeline's stacked form, each layer
+    exactly as alone (docs/cli.md "Stacks"); a stack that fails as a whole is run layer by
+    layer."""
+    from . import io
+    from ._lib.pipeline import quantize_arrays_stack
+
+    def alone(info):
+        try:
+            tensors, _ = io.read_layer(info.path, info.name)
+            return _quantize_one(args, xp, tensors, info)
+        except (KeyboardInterrupt, MemoryError, Terminated):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the layer fails, the run goes on
+            return exc
+
+    if len(infos) == 1:
+        return [alone(infos[0])]
+    t0 = time.perf_counter()
+    out: list = [None] * len(infos)
+    live, layers = [], []
+    for j, info in enumerate(infos):
+        try:
+            tensors, _ = io.read_layer(info.path, info.name)
+        except (KeyboardInterrupt, MemoryError, Terminated):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            out[j] = exc
+            continue
+        live.append(j)
+        layers.append((tensors["W"], tensors["H_in"], tensors.get("H_out")))
+    m, n = infos[0].shape
+    big = m * n >= PROGRESS_INSIDE_LAYER and not args.quiet
+    say = (lambda msg: _err(f"    {msg} ...")) if big else None
+    try:
+        got = quantize_arrays_stack(layers, _settings(args), xp=xp, one_sided=args.one_sided,
+                                    metrics=args.metrics, progress=say,
+                                    max_bytes=args.stack_memory)
+    except (KeyboardInterrupt, Terminated):
+        raise
+    except Exception:  # noqa: BLE001 - the stack as a whole failed: each layer alone
+        del layers
+        return [out[j] if out[j] is not None else alone(infos[j]) for j in range(len(infos))]
+    del layers
+    seconds = (time.perf_counter() - t0) / len(infos)
+    for j, res in zip(live, got):
+        if isinstance(res, MemoryError):
+            raise res
+        if isinstance(res, BaseException):
+            out[j] = res
+            continue
+        arrays, entry, _ = res
+        entry["input_dtype"] = infos[j].dtype
+        entry["seconds_total"] = seconds
+        out[j] = (arrays, entry)
+    return out
+
+
+def _settings(args) -> dict:
+    return {"bits": args.bits, "tile": args.tile, "method": args.method,
+            "engine": args.engine, "damp": args.damp, "symmetric": not args.asym,
+            "granularity": args.scale, "group_size": args.group_size,
+            "scale_method": args.scale_method}
 
 
 def _cmd_quantize_distributed(args) -> int:
@@ -607,50 +709,63 @@ def _cmd_quantize(args) -> int:
         "options": {"bits": args.bits, "scale": args.scale, "group_size": args.group_size,
                     "symmetric": not args.asym, "scale_method": args.scale_method,
                     "tile": list(args.tile), "method": args.method, "engine": args.engine,
-                    "damp": args.damp, "one_sided": args.one_sided, "metrics": args.metrics},
+                    "damp": args.damp, "one_sided": args.one_sided, "metrics": args.metrics,
+                    "stack_memory": args.stack_memory},
         "layers": [],
     }
     t_start = time.perf_counter()
     failed = 0
+    chunks = _stack_chunks(infos, args.one_sided, args.stack_memory)
+    entries: dict = {}
     try:
         with io.atomic_output_dir(out, force=args.force) as tmp:
-            for i, info in enumerate(infos, 1):
-                m, n = info.shape
-                if not quiet:
-                    _err(f"[{i}/{len(infos)}] {info.name} ({m} x {n}"
-                         f"{', two-sided' if info.has_H_out and not args.one_sided else ''})")
-                entry = {"name": info.name, "input": os.path.abspath(info.path), "shape": [m, n],
-                         "dtype": info.dtype, "has_H_out": info.has_H_out,
-                         "ignored_tensors": info.ignored}
-                try:
-                    tensors, _ = io.read_layer(info.path, info.name)
-                    arrays, figures = _quantize_one(args, xp, tensors, info)
-                except (KeyboardInterrupt, MemoryError, Terminated):
-                    raise
-                except Exception as exc:  # the layer fails, the run goes on
-                    failed += 1
-                    entry.update(status="failed", error=f"{type(exc).__name__}: {exc}")
-                    report["layers"].append(entry)
-                    if not quiet:
-                        _err(f"    failed: {type(exc).__name__}: {exc}")
-                    continue
-                fname = f"{info.name}.{args.format}"
-                meta = {"bakron_version": report["versions"]["bakron"], "layer": info.name,
-                        "bits": args.bits, "symmetric": not args.asym,
-                        "granularity": args.scale, "group_size": args.group_size or ""}
-                t_w = time.perf_counter()
-                io.write_tensors(tmp / fname, arrays, args.format, metadata=meta)
-                figures["seconds_write"] = time.perf_counter() - t_w
-                entry.update(status="ok", output=fname, codes_dtype=str(arrays["codes"].dtype),
-                             scale_shape=list(arrays["scale"].shape), **figures)
-                report["layers"].append(entry)
-                if not quiet and figures.get("proxy_error") is not None:
-                    _err(f"    proxy error {figures['proxy_error']:.4g} (RTN "
-                         f"{figures['rtn_proxy_error']:.4g}), {figures['seconds_total']:.2f} s")
-                elif not quiet:
-                    _err(f"    done in {figures['seconds_total']:.2f} s")
+            for s_no, chunk in enumerate(chunks, 1):
+                m, n = infos[chunk[0]].shape
+                if not quiet and len(chunk) > 1:
+                    _err(f"stack {s_no}/{len(chunks)}: {len(chunk)} layers of {m} x {n}"
+                         f"{_sides(args, infos[chunk[0]])}")
+                elif not quiet:  # one layer: its line before the work, as it goes
+                    _err(f"[{chunk[0] + 1}/{len(infos)}] {infos[chunk[0]].name} ({m} x {n}"
+                         f"{_sides(args, infos[chunk[0]])})")
+                got = _quantize_chunk(args, xp, [infos[k] for k in chunk])
+                for j, (k, res) in enumerate(zip(chunk, got)):
+                    info = infos[k]
+                    m, n = info.shape
+                    if not quiet and len(chunk) > 1:
+                        _err(f"[{k + 1}/{len(infos)}] {info.name} ({m} x {n}"
+                             f"{_sides(args, info)})")
+                    entry = {"name": info.name, "input": os.path.abspath(info.path),
+                             "shape": [m, n], "dtype": info.dtype, "has_H_out": info.has_H_out,
+                             "ignored_tensors": info.ignored}
+                    entries[k] = entry
+                    if isinstance(res, BaseException):  # the layer fails, the run goes on
+                        failed += 1
+                        entry.update(status="failed", error=f"{type(res).__name__}: {res}")
+                        if not quiet:
+                            _err(f"    failed: {type(res).__name__}: {res}")
+                        continue
+                    arrays, figures = res
+                    figures["stack"] = {"stack": s_no, "index": j, "size": len(chunk)}
+                    fname = f"{info.name}.{args.format}"
+                    meta = {"bakron_version": report["versions"]["bakron"], "layer": info.name,
+                            "bits": args.bits, "symmetric": not args.asym,
+                            "granularity": args.scale, "group_size": args.group_size or ""}
+                    t_w = time.perf_counter()
+                    io.write_tensors(tmp / fname, arrays, args.format, metadata=meta)
+                    figures["seconds_write"] = time.perf_counter() - t_w
+                    entry.update(status="ok", output=fname,
+                                 codes_dtype=str(arrays["codes"].dtype),
+                                 scale_shape=list(arrays["scale"].shape), **figures)
+                    if not quiet and figures.get("proxy_error") is not None:
+                        _err(f"    proxy error {figures['proxy_error']:.4g} (RTN "
+                             f"{figures['rtn_proxy_error']:.4g}), "
+                             f"{figures['seconds_total']:.2f} s")
+                    elif not quiet:
+                        _err(f"    done in {figures['seconds_total']:.2f} s")
+            report["layers"] = [entries[k] for k in range(len(infos))]
             report["summary"] = {"layers": len(infos), "ok": len(infos) - failed,
-                                 "failed": failed, "seconds": time.perf_counter() - t_start}
+                                 "failed": failed, "stacks": len(chunks),
+                                 "seconds": time.perf_counter() - t_start}
             report["exit_code"] = EXIT_LAYER_FAILED if failed else EXIT_OK
             io.atomic_write_json(tmp / REPORT_NAME, report)
     except io.OutputExistsError as exc:

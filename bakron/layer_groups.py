@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import _xp
-from .layer import _layer_result, _prepare, feedback
+from .layer import METRICS, _layer_result, _prepare, feedback
 from .solvers.stack import solve_stack
 
 __all__ = ["quantize_layers", "group_layers"]
@@ -53,7 +53,7 @@ def quantize_layers(layers, *, quantizer=None, bits: int | None = None, tile=(16
                     symmetric: bool = True, granularity: str = "row",
                     group_size: int | None = None, scale_method: str = "rms",
                     workers: int | None = None, max_bytes: int | None = None,
-                    errors: str = "raise") -> list:
+                    errors: str = "raise", metrics: str = "full", progress=None) -> list:
     """Quantize many layers: :func:`bakron.quantize_layer` for each, with same-shape layers
     solved as one stack (:func:`bakron.solve_stack`).
 
@@ -73,7 +73,13 @@ def quantize_layers(layers, *, quantizer=None, bits: int | None = None, tile=(16
         ``"raise"``: the first bad layer raises (its index in the message) before any solve.
         ``"return"``: a layer that fails gets its exception in its place of the result list
         and the others go on (a stack that fails is retried layer by layer, so that only
-        the bad layers fail) — what a runner that reports failed layers wants.
+        the bad layers fail) — what a runner that reports failed layers wants. A returned
+        exception carries the layer's own exception as ``__cause__``.
+    metrics : {"full", "basic", "none"}
+        As in :func:`bakron.quantize_layer`, for every layer.
+    progress : callable, optional
+        Called with a short message before each phase: each layer's factor preparation, each
+        stack's solve, each layer's proxy errors.
 
     Returns
     -------
@@ -85,6 +91,9 @@ def quantize_layers(layers, *, quantizer=None, bits: int | None = None, tile=(16
     layers = list(layers)
     if errors not in ("raise", "return"):
         raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
+    if metrics not in METRICS:
+        raise ValueError(f"metrics must be one of {METRICS}, got {metrics!r}")
+    say = progress if callable(progress) else (lambda msg: None)
     if isinstance(quantizer, (list, tuple)):
         if len(quantizer) != len(layers):
             raise ValueError(f"quantizer is a sequence of {len(quantizer)} quantizers but "
@@ -102,7 +111,7 @@ def quantize_layers(layers, *, quantizer=None, bits: int | None = None, tile=(16
             preps[k] = _prepare(W, H_in, H_out, quantizer=qs[k], bits=bits, tile=tile,
                                 damp=damp, symmetric=symmetric, granularity=granularity,
                                 group_size=group_size, scale_method=scale_method,
-                                factors=factors)
+                                factors=factors, say=say)
             unpacked[k] = (W, H_in, H_out)
         except (ValueError, TypeError, ArithmeticError) as e:
             if errors == "raise":
@@ -113,21 +122,28 @@ def quantize_layers(layers, *, quantizer=None, bits: int | None = None, tile=(16
     for group in group_layers([_group_key(preps[k], preps[k].W) for k in ok]):
         idx = [ok[g] for g in group]
         try:
-            _solve_group(idx, unpacked, preps, results, method, engine, workers, max_bytes)
+            _solve_group(idx, unpacked, preps, results, method, engine, workers, max_bytes,
+                         metrics, say)
         except Exception:
             if errors == "raise" or len(idx) == 1:
                 if errors == "raise":
                     raise
-                results[idx[0]] = _retry_alone(idx[0], unpacked, preps, method, engine)
+                results[idx[0]] = _retry_alone(idx[0], unpacked, preps, method, engine,
+                                               metrics, say)
                 continue
             for i in idx:  # find the bad layers: each alone
-                results[i] = _retry_alone(i, unpacked, preps, method, engine)
+                results[i] = _retry_alone(i, unpacked, preps, method, engine, metrics, say)
     return results
 
 
-def _solve_group(idx, unpacked, preps, results, method, engine, workers, max_bytes):
+def _solve_group(idx, unpacked, preps, results, method, engine, workers, max_bytes,
+                 metrics="full", say=None):
     """Solve layers ``idx`` (same key) as one stack and fill their results."""
+    say = say or (lambda msg: None)
     xp = preps[idx[0]].xp
+    (tx, ty), (m, n) = preps[idx[0]].tile, preps[idx[0]].W.shape
+    say(f"solving ({len(idx)} x {m} x {n}, tile {tx}x{ty})" if len(idx) > 1 else
+        f"solving ({m} x {n}, tile {tx}x{ty})")
     Ws = xp.stack([preps[i].W for i in idx])
     A_in = _stack_factors(xp, [preps[i].f_in for i in idx])
     A_out = None if feedback(preps[idx[0]].f_out) is None else \
@@ -141,16 +157,16 @@ def _solve_group(idx, unpacked, preps, results, method, engine, workers, max_byt
         one = dataclasses.replace(res, values=res.values[j, ...],
                                   codes=None if res.codes is None else res.codes[j, ...],
                                   seconds=res.seconds / len(idx), targets=None, info=info)
-        out.append(_layer_result(preps[i], one))
+        out.append(_layer_result(preps[i], one, metrics=metrics, say=say))
     for i, r in zip(idx, out):  # only once every layer of the group is done
         results[i] = r
 
 
-def _retry_alone(i, unpacked, preps, method, engine):
+def _retry_alone(i, unpacked, preps, method, engine, metrics="full", say=None):
     """Layer ``i`` as a stack of one; its exception (naming the layer) when it fails."""
     try:
         holder: dict = {}
-        _solve_group([i], unpacked, preps, holder, method, engine, None, None)
+        _solve_group([i], unpacked, preps, holder, method, engine, None, None, metrics, say)
         return holder[i]
     except Exception as e:  # noqa: BLE001 - reported in the layer's place
         return _named(i, e)
@@ -160,6 +176,8 @@ def _named(k: int, e: Exception) -> Exception:
     """``e`` with the layer's index in front of its message (``e`` itself when its class
     cannot be built from a message)."""
     try:
-        return type(e)(f"layers[{k}]: {e}")
+        named = type(e)(f"layers[{k}]: {e}")
     except Exception:  # noqa: BLE001
         return e
+    named.__cause__ = e
+    return named
