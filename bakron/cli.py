@@ -52,7 +52,7 @@ REPORT_NAME = "report.json"
 PROGRESS_INSIDE_LAYER = 1 << 22
 REPORT_FORMAT_VERSION = 1
 #: default ``--stack-memory``: the estimated memory of one stack of same-shape layers
-#: (:func:`_layer_bytes` per layer), docs/cli.md "Stacks"
+#: (:func:`bakron.layer_groups.layer_bytes` per layer), docs/cli.md "Stacks"
 STACK_MEMORY = 1 << 30
 
 
@@ -546,32 +546,14 @@ def _sides(args, info) -> str:
     return ", two-sided" if info.has_H_out and not args.one_sided else ""
 
 
-def _layer_bytes(m: int, n: int, h_out: bool) -> int:
-    """Estimated memory of one layer in a stack, 8 bytes an element: W, the solved values, the
-    RTN values, the codes and the stacked copies (6 m n), and each factor as read, prepared
-    and stacked (4 n² and 4 m²)."""
-    return 8 * (6 * m * n + 4 * n * n + (4 * m * m if h_out else 0))
-
-
 def _stack_chunks(infos, one_sided: bool, budget: int) -> list[list[int]]:
     """Indices of ``infos`` in stacks: layers of the same shape, stored dtype and sidedness, in
-    order of first appearance, cut so that each stack's :func:`_layer_bytes` fit ``budget``
-    (one layer at least)."""
-    from .layer_groups import group_layers
+    order of first appearance, cut so that each stack fits ``budget``
+    (:func:`bakron.layer_groups.stack_chunks`)."""
+    from .layer_groups import layer_bytes, stack_chunks
 
     keys = [(tuple(i.shape), i.dtype, i.has_H_out and not one_sided) for i in infos]
-    chunks = []
-    for group in group_layers(keys):
-        cur, used = [], 0
-        for k in group:
-            b = _layer_bytes(*infos[k].shape, infos[k].has_H_out)
-            if cur and used + b > budget:
-                chunks.append(cur)
-                cur, used = [], 0
-            cur.append(k)
-            used += b
-        chunks.append(cur)
-    return chunks
+    return stack_chunks(keys, [layer_bytes(*i.shape, i.has_H_out) for i in infos], budget)
 
 
 def _quantize_chunk(args, xp, infos) -> list:

@@ -7,7 +7,7 @@ from . import _xp
 from .layer import METRICS, _layer_result, _prepare, feedback
 from .solvers.stack import solve_stack
 
-__all__ = ["quantize_layers", "group_layers"]
+__all__ = ["quantize_layers", "group_layers", "layer_bytes", "stack_chunks"]
 
 
 def _unpack(k: int, layer):
@@ -38,6 +38,34 @@ def group_layers(keys) -> list[list[int]]:
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+def layer_bytes(m: int, n: int, h_out: bool = True) -> int:
+    """Estimated memory of one layer in a stack that a runner reads, solves and writes, at 8
+    bytes an element: W, the solved and round-to-nearest values, the codes and the stacked
+    copies (6 m n), and each factor as read, prepared and stacked (4 n², and 4 m² with an
+    ``H_out``)."""
+    return 8 * (6 * m * n + 4 * n * n + (4 * m * m if h_out else 0))
+
+
+def stack_chunks(keys, nbytes, budget: int, parts: int = 1) -> list[list[int]]:
+    """The stacks a runner solves: indices grouped by equal key (:func:`group_layers`), each
+    group cut into consecutive, near-equal chunks of at most ``budget`` bytes (``nbytes[i]``
+    per layer; one layer at least) and into at least ``parts`` chunks when the group has that
+    many layers (so that ``parts`` workers share it)."""
+    if budget < 1 or parts < 1:
+        raise ValueError(f"budget and parts must be >= 1, got {budget} and {parts}")
+    chunks = []
+    for group in group_layers(keys):
+        per = max(1, budget // max(max(nbytes[i] for i in group), 1))
+        k = max(min(parts, len(group)), -(-len(group) // per))
+        q, r = divmod(len(group), k)
+        start = 0
+        for c in range(k):
+            stop = start + q + (c < r)
+            chunks.append(group[start:stop])
+            start = stop
+    return chunks
 
 
 def _stack_factors(xp, factors):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bakron import _safetensors, cli
+from bakron.layer_groups import layer_bytes, stack_chunks
 
 
 def _layer(m, n, seed, h_out="dense", dtype=np.float64):
@@ -92,7 +93,7 @@ def test_stacks_are_byte_identical_to_one_by_one(many, tmp_path, capsys, extra):
 
 
 def test_memory_budget_cuts_stacks(many, tmp_path, capsys):
-    one = cli._layer_bytes(24, 32, True)
+    one = layer_bytes(24, 32, True)
     rc, _, err = _run(["quantize", many, "--out", tmp_path / "o", "--tile", 8,
                        "--stack-memory", 2 * one, "--quiet"], capsys)
     assert rc == 0, err
@@ -125,3 +126,14 @@ def test_bad_layer_in_a_stack_fails_alone(many, tmp_path, capsys):
     rep1 = json.loads((tmp_path / "p" / cli.REPORT_NAME).read_text())
     assert rc1 == cli.EXIT_LAYER_FAILED
     assert [e for e in rep1["layers"] if e["name"] == "a9"][0]["error"] == bad["error"]
+
+
+def test_stack_chunks():
+    keys = ["a", "b", "a", "a", "b", "a", "a"]
+    assert stack_chunks(keys, [1] * 7, 10) == [[0, 2, 3, 5, 6], [1, 4]]
+    assert stack_chunks(keys, [1] * 7, 2) == [[0, 2], [3, 5], [6], [1, 4]]
+    assert stack_chunks(keys, [1] * 7, 10, parts=2) == [[0, 2, 3], [5, 6], [1], [4]]
+    assert stack_chunks(keys, [5] * 7, 1) == [[i] for i in (0, 2, 3, 5, 6, 1, 4)]
+    assert stack_chunks([], [], 1) == []
+    with pytest.raises(ValueError, match="budget and parts"):
+        stack_chunks(keys, [1] * 7, 0)
