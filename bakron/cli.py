@@ -53,7 +53,7 @@ PROGRESS_INSIDE_LAYER = 1 << 22
 REPORT_FORMAT_VERSION = 1
 #: default ``--stack-memory``: the estimated memory of one stack of same-shape layers
 #: (:func:`bakron.layer_groups.layer_bytes` per layer), docs/cli.md "Stacks"
-STACK_MEMORY = 1 << 30
+STACK_MEMORY = 1 << 30  # = bakron.layer_groups.STACK_MEMORY (not imported: cli starts fast)
 
 
 class UsageError(Exception):
@@ -242,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for one stack of same-shape layers solved together (e.g. 2G; "
                         "default 1G; 1 solves the layers one by one)")
     q.add_argument("--scheduler", metavar="ADDRESS", default=None,
-                   help="one Dask task per layer on this scheduler (tcp://host:8786; workers "
-                        "must see the same paths); OUT is resumable (needs bakron[dask])")
+                   help="Dask tasks (a layer or a stack of layers) on this scheduler "
+                        "(tcp://host:8786; workers must see the same paths); OUT is resumable "
+                        "(needs bakron[dask])")
     q.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
                    help="start a local Dask cluster with one worker per GPU (the first N "
                         "visible); OUT is resumable (needs bakron[dask])")
@@ -634,6 +635,7 @@ def _cmd_quantize_distributed(args) -> int:
         bits=args.bits, tile=args.tile, method=args.method, engine=args.engine, damp=args.damp,
         symmetric=not args.asym, granularity=args.scale, group_size=args.group_size,
         scale_method=args.scale_method, one_sided=args.one_sided, file_format=args.format,
+        stack_memory=args.stack_memory,
         device="gpu" if args.gpus and args.device == "cpu" else args.device)
 
 

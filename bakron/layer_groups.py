@@ -7,7 +7,7 @@ from . import _xp
 from .layer import METRICS, _layer_result, _prepare, feedback
 from .solvers.stack import solve_stack
 
-__all__ = ["quantize_layers", "group_layers", "layer_bytes", "stack_chunks"]
+__all__ = ["quantize_layers", "group_layers", "layer_bytes", "stack_chunks", "STACK_MEMORY"]
 
 
 def _unpack(k: int, layer):
@@ -38,6 +38,11 @@ def group_layers(keys) -> list[list[int]]:
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+#: the default memory budget of one stack in the runners (``bakron quantize --stack-memory``,
+#: ``run_layers(stack_memory=)``), in :func:`layer_bytes` units
+STACK_MEMORY = 1 << 30
 
 
 def layer_bytes(m: int, n: int, h_out: bool = True) -> int:

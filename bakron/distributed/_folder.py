@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..layer_groups import STACK_MEMORY
 from ._jobs import jobs_from_path, tensor_shape
 from ._outputs import LockHeld
 from ._run import (EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_UNAVAILABLE, EXIT_USAGE,
@@ -18,13 +19,15 @@ def _err(msg: str) -> None:
 
 def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int = 0,
                     workers: int = 0, retries: int = 2, quiet: bool = False,
-                    **settings) -> int:
+                    stack_memory: int | None = STACK_MEMORY, **settings) -> int:
     """Quantize a layer file or a folder of layer files into ``out_dir``; return an exit code.
 
     ``scheduler``: address of a running Dask scheduler (``tcp://host:8786``), whose workers
     must see the same paths; ``gpus=N``: start a loopback cluster with one worker per GPU (the
     first N visible); ``workers=N``: a loopback CPU cluster of N processes; none of them: run in
-    this process. ``settings`` are the solve settings of :data:`DEFAULT_SETTINGS` (``bits``,
+    this process. ``stack_memory``: same-shape layers run as stacks of at most this many
+    estimated bytes, one task each (:func:`run_layers`; ``None``: one layer per task).
+    ``settings`` are the solve settings of :data:`DEFAULT_SETTINGS` (``bits``,
     ``tile``, ``method``, ``engine``, ``damp``, ``symmetric``, ``granularity``,
     ``group_size``, ``scale_method``, ``device``, ``dtype``, ``one_sided``).
 
@@ -102,7 +105,8 @@ def quantize_folder(in_path, out_dir, *, scheduler: str | None = None, gpus: int
                 cluster.close()
             return EXIT_UNAVAILABLE
     try:
-        res = run_layers(jobs, out_dir, client, retries=retries, progress=not quiet)
+        res = run_layers(jobs, out_dir, client, retries=retries, progress=not quiet,
+                         stack_memory=stack_memory)
     except LockHeld as exc:
         _err(str(exc))
         return EXIT_LOCKED

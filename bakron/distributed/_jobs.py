@@ -16,7 +16,8 @@ from typing import Any, Mapping
 import numpy as np
 
 __all__ = ["TensorRef", "LayerJob", "DEFAULT_SETTINGS", "canonical_settings", "tensor_checksum",
-           "load_tensor", "job_key", "jobs_from_path", "safe_file_name", "JOB_FORMAT"]
+           "load_tensor", "job_key", "jobs_from_path", "safe_file_name", "JOB_FORMAT",
+           "tensor_info", "stack_key"]
 
 #: bump when the meaning of a key changes (the layer-file layout or the settings' semantics)
 JOB_FORMAT = 1
@@ -252,6 +253,38 @@ def tensor_shape(ref: TensorRef) -> tuple:
     if _kind(ref.path) == ".safetensors":
         return _safetensors_entry(ref.path, ref.name)[1]
     return tuple(_load_np(ref).shape)
+
+
+def tensor_info(ref: TensorRef) -> tuple[tuple, str]:
+    """A tensor's ``(shape, dtype)`` (safetensors: from the header, without reading the
+    data)."""
+    ref = TensorRef.parse(ref)
+    if not os.path.isfile(ref.path):
+        raise FileNotFoundError(f"input file not found: {ref.path}")
+    if _kind(ref.path) == ".safetensors":
+        dts, shape, _, _ = _safetensors_entry(ref.path, ref.name)
+        return tuple(shape), dts
+    a = _load_np(ref)
+    return tuple(a.shape), np.dtype(a.dtype).str
+
+
+def stack_key(job: LayerJob):
+    """Jobs with equal keys may run as one stack (docs/distributed.md "Stacks"): the same
+    settings, W's shape and stored dtype, and kind of output factor as the solve uses it
+    (none: one-sided or ``one_sided``; a diagonal; a matrix). ``(key, estimated bytes)``."""
+    from ..layer_groups import layer_bytes
+
+    s = canonical_settings(job.settings)
+    shape, dts = tensor_info(job.W)
+    if len(shape) != 2:
+        raise ValueError(f"W must be 2-D, got shape {shape}")
+    m, n = shape
+    kind = "none"
+    if job.H_out is not None and not s["one_sided"]:
+        o_shape = tensor_info(job.H_out)[0]
+        kind = "diag" if len(o_shape) == 1 and o_shape[0] == m else "dense"
+    key = (json.dumps(s, sort_keys=True), tuple(shape), dts, kind)
+    return key, layer_bytes(m, n, job.H_out is not None)
 
 
 _CACHE: dict = {}

@@ -1,4 +1,5 @@
-"""The driver: ``run_layers`` (in-process or one Dask task per layer), resume, manifest."""
+"""The driver: ``run_layers`` (in-process or Dask tasks of one layer or a stack of same-shape
+layers), resume, manifest."""
 from __future__ import annotations
 
 import os
@@ -8,10 +9,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ._jobs import LayerJob, canonical_settings, job_key, safe_file_name, tensor_checksum
+from ..layer_groups import STACK_MEMORY, stack_chunks
+from ._jobs import (LayerJob, canonical_settings, job_key, safe_file_name, stack_key,
+                    tensor_checksum)
 from ._outputs import (OutputLock, clean_tmp, failure_record, layer_path, now_iso, quarantine,
                        read_manifest, verify_layer_file, write_manifest)
-from ._task import run_job
+from ._task import run_job, run_stack
 
 __all__ = ["run_layers", "RunResult", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_LOCKED",
            "EXIT_UNAVAILABLE", "EXIT_WRITE_FAILED", "EXIT_INTERRUPTED"]
@@ -23,7 +26,8 @@ EXIT_UNAVAILABLE, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 4, 5, 130
 
 _RECORD_KEYS = ("key", "file", "checksum", "status", "worker", "device", "host", "pid",
                 "seconds", "started", "finished", "damp_in", "damp_out", "proxy_error",
-                "rtn_proxy_error", "method", "engine", "error", "traceback", "wrote", "reused")
+                "rtn_proxy_error", "method", "engine", "error", "traceback", "wrote", "reused",
+                "stack")
 
 
 @dataclass
@@ -110,8 +114,9 @@ def _progress_printer(total: int):
 def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int = 2,
                resources="auto", lock: bool = True,
                progress: bool | Callable[[dict], None] = False,
-               manifest_interval: float = 1.0, tmp_grace: float = 30.0) -> RunResult:
-    """Quantize every job into ``out_dir``: in-process, or one Dask task per layer.
+               manifest_interval: float = 1.0, tmp_grace: float = 30.0,
+               stack_memory: int | None = STACK_MEMORY) -> RunResult:
+    """Quantize every job into ``out_dir``: in-process, or Dask tasks of a layer or a stack.
 
     Parameters
     ----------
@@ -123,8 +128,9 @@ def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int =
         ``.bakron/``; see docs/distributed.md.
     client : distributed.Client or None
         ``None`` runs the jobs one after the other in this process (the reference). With a
-        client, each missing layer is one task (``retries`` re-runs after an exception that
-        is not an input error; a dead worker's tasks are rescheduled by Dask).
+        client, each stack of missing layers is one task (``retries`` re-runs after an
+        exception that is not an input error, skipping the layers already published; a dead
+        worker's tasks are rescheduled by Dask).
     resources : "auto", dict or None
         Task resources. ``"auto"`` asks for ``{"GPU": 1}`` when some worker advertises a GPU
         resource (see :func:`gpu_cluster`), else none.
@@ -138,6 +144,11 @@ def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int =
         end).
     tmp_grace : float
         At start, temporary files older than this are removed (leftovers of killed tasks).
+    stack_memory : int or None
+        Same-shape jobs with the same settings run as stacks
+        (:func:`bakron.layer_groups.stack_chunks`) of at most this many estimated bytes; with
+        a client, each such group is also cut into at least two stacks per worker, so that
+        every worker gets work. ``None``: one layer per task. Outputs do not depend on it.
 
     Returns
     -------
@@ -226,17 +237,15 @@ def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int =
                 last[0] = time.monotonic()
 
         try:
+            parts = 1 if client is None else 2 * max(_n_workers(client), 1)
+            chunks = _stacks(pending, stack_memory, parts)
             if client is None:
-                for j, stem, key, checks, rel in pending:
-                    try:
-                        rec = run_job(j, out_dir, stem, key, checks)
-                    except Exception as exc:
-                        rec = {"status": "failed", "key": key, "worker": "in-process",
-                               "error": f"{type(exc).__name__}: {exc}",
-                               "traceback": traceback.format_exc(limit=6), "finished": now_iso()}
-                    finish(j.name, rel, rec)
+                for chunk in chunks:
+                    for (j, stem, key, checks, rel), rec in zip(chunk, _run_here(chunk,
+                                                                                 out_dir)):
+                        finish(j.name, rel, dict(rec, stack=len(chunk)))
             else:
-                _run_dask(client, pending, out_dir, retries, resources, finish)
+                _run_dask(client, chunks, out_dir, retries, resources, finish)
         except KeyboardInterrupt:
             result.interrupted = True
             raise
@@ -252,29 +261,106 @@ def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int =
     return result
 
 
-def _run_dask(client, pending, out_dir, retries, resources, finish):
+def _n_workers(client) -> int:
+    try:
+        return len(client.scheduler_info(n_workers=-1)["workers"])
+    except TypeError:  # older distributed
+        return len(client.scheduler_info()["workers"])
+
+
+def _stacks(pending, stack_memory, parts) -> list[list]:
+    """``pending`` cut into stacks of same-key jobs (:func:`stack_key`); one job each when
+    ``stack_memory`` is None. A job whose key cannot be read runs alone (its task reports
+    why)."""
+    if stack_memory is None:
+        return [[p] for p in pending]
+    keys, sizes = [], []
+    for p in pending:
+        try:
+            k, b = stack_key(p[0])
+        except Exception:  # noqa: BLE001 - the task reads the inputs again and says why
+            k, b = ("alone", p[0].name), 1
+        keys.append(k)
+        sizes.append(b)
+    return [[pending[i] for i in c] for c in stack_chunks(keys, sizes, stack_memory, parts)]
+
+
+def _stack_args(chunk):
+    return ([c[0] for c in chunk], [c[1] for c in chunk], [c[2] for c in chunk],
+            [c[3] for c in chunk])
+
+
+def _run_here(chunk, out_dir) -> list[dict]:
+    """Records of a stack run in this process; a stack that raises is run layer by layer,
+    and a layer that raises gets a ``failed`` record."""
+    if len(chunk) > 1:
+        try:
+            jobs, stems, keys, checks = _stack_args(chunk)
+            return run_stack(jobs, out_dir, stems, keys, checks)
+        except Exception:  # noqa: BLE001 - each layer alone says which one fails
+            pass
+    recs = []
+    for j, stem, key, checks, rel in chunk:
+        try:
+            rec = run_job(j, out_dir, stem, key, checks)
+        except Exception as exc:
+            rec = {"status": "failed", "key": key, "worker": "in-process",
+                   "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc(limit=6), "finished": now_iso()}
+        recs.append(rec)
+    return recs
+
+
+def _after_failure(out_dir, j, stem, key, rel, exc) -> dict:
+    """A layer of a task that failed for good: done if an attempt published it (write-once
+    files are checked, not trusted), else failed with the task's exception."""
+    path = layer_path(out_dir, stem, canonical_settings(j.settings)["file_format"])
+    ok, _, cs, meta = verify_layer_file(path, key) if os.path.exists(path) else (
+        False, None, None, None)
+    if ok:
+        return dict(_from_meta(meta, key, cs, rel), wrote=True)
+    return failure_record(key, exc, worker=None)
+
+
+def _run_dask(client, chunks, out_dir, retries, resources, finish):
+    import hashlib
+
     from distributed import as_completed
 
     res = _gpu_resource(client) if resources == "auto" else resources
     futs = {}
-    for j, stem, key, checks, rel in pending:
-        f = client.submit(run_job, j, out_dir, stem, key, checks,
-                          key=f"bakron-layer-{key[:16]}-{stem}", retries=retries,
-                          resources=res, pure=False)
-        futs[f] = (j, key, rel)
+    for chunk in chunks:
+        if len(chunk) == 1:
+            j, stem, key, checks, rel = chunk[0]
+            f = client.submit(run_job, j, out_dir, stem, key, checks,
+                              key=f"bakron-layer-{key[:16]}-{stem}", retries=retries,
+                              resources=res, pure=False)
+        else:
+            digest = hashlib.sha256("".join(c[2] for c in chunk).encode()).hexdigest()[:16]
+            jobs, stems, keys, checks = _stack_args(chunk)
+            f = client.submit(run_stack, jobs, out_dir, stems, keys, checks,
+                              key=f"bakron-stack-{digest}-{stems[0]}", retries=retries,
+                              resources=res, pure=False)
+        futs[f] = chunk
     try:
         for f in as_completed(list(futs)):
-            j, key, rel = futs[f]
+            chunk = futs[f]
+            recs = None
             if f.status == "finished":
                 try:
-                    rec = f.result()
+                    recs = f.result()
+                    recs = [recs] if isinstance(recs, dict) else recs
                 except Exception as exc:  # pragma: no cover - status said finished
-                    rec = failure_record(key, exc, worker=None)
+                    recs = [failure_record(c[2], exc, worker=None) for c in chunk]
+            elif len(chunk) == 1:
+                recs = [failure_record(chunk[0][2], f.exception(), worker=None)]
             else:
                 exc = f.exception()
-                rec = failure_record(key, exc, worker=None)
+                recs = [_after_failure(out_dir, j, stem, key, rel, exc)
+                        for j, stem, key, checks, rel in chunk]
             f.release()
-            finish(j.name, rel, rec)
+            for (j, stem, key, checks, rel), rec in zip(chunk, recs):
+                finish(j.name, rel, dict(rec, stack=len(chunk)))
     except BaseException:
         client.cancel(list(futs))
         raise

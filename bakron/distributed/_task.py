@@ -1,4 +1,5 @@
-"""The body of one layer task: read the inputs, solve, publish the layer file write-once.
+"""The body of one layer task (or of a stack of same-shape layers): read the inputs, solve,
+publish each layer file write-once.
 
 The same function runs in-process (``client=None``) and on Dask workers, so the two give the
 same bytes. Errors in the *inputs or settings* (bad shapes, NaNs, an indefinite factor, a missing
@@ -19,7 +20,7 @@ from .._lib.errors import InputError
 from ._jobs import LayerJob, canonical_settings, load_tensor
 from ._outputs import layer_path, now_iso, verify_layer_file, write_layer_file
 
-__all__ = ["run_job", "InputError"]
+__all__ = ["run_job", "run_stack", "InputError"]
 
 #: exceptions that mean "this layer's inputs or settings are bad": reported, not retried
 _INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, IsADirectoryError)
@@ -91,16 +92,9 @@ def run_job(job: LayerJob, out_dir: str, file_stem: str, key: str,
     t_start = time.perf_counter()
     info = _worker_info()
     rec = {"name": job.name, "key": key, **info, "started": now_iso()}
-    file_format = canonical_settings(job.settings)["file_format"]
-    final = layer_path(out_dir, file_stem, file_format)
-    ok, _, checksum, meta = verify_layer_file(final, key)
-    if ok:  # a twin (or an earlier attempt on a worker that then died) already wrote it
-        return dict(rec, status="done", wrote=False, checksum=checksum,
-                    device=meta.get("device"), worker_written=meta.get("worker"),
-                    damp_in=_f(meta.get("damp_in")), damp_out=_f(meta.get("damp_out")),
-                    proxy_error=_f(meta.get("proxy_error")),
-                    rtn_proxy_error=_f(meta.get("rtn_proxy_error")),
-                    seconds=time.perf_counter() - t_start, finished=now_iso())
+    done = _published(job, out_dir, file_stem, key, rec, t_start)
+    if done is not None:  # a twin (or an earlier attempt on a worker that then died) wrote it
+        return done
     try:
         return _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start)
     except _INPUT_ERRORS as exc:
@@ -113,10 +107,84 @@ def _f(x):
     return None if x in (None, "None", "") else float(x)
 
 
-def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
-    from .. import __version__
-    from .._lib.pipeline import quantize_arrays
+def run_stack(jobs: list, out_dir: str, file_stems: list, keys: list,
+              checksums: list | None = None) -> list[dict]:
+    """Run a stack of same-shape layer jobs (one task): the layers whose file is already
+    published are skipped, the others are read and solved as one stack
+    (:func:`bakron._lib.pipeline.quantize_arrays_stack`, each layer exactly as alone) and
+    published one by one, write-once. Returns one record per job, as :func:`run_job` does.
 
+    A layer whose inputs or settings are bad gets a ``failed`` record; any other error
+    (out of memory, a CUDA or I/O error) is raised after the layers that did solve are
+    published, so that a retry of the task redoes only the rest.
+    """
+    if len(jobs) == 1:
+        return [run_job(jobs[0], out_dir, file_stems[0], keys[0],
+                        None if checksums is None else checksums[0])]
+    from .._lib.pipeline import quantize_arrays_stack
+
+    t_start = time.perf_counter()
+    info = _worker_info()
+    recs: list = [None] * len(jobs)
+    todo, loaded = [], []
+    for i, (job, stem, key) in enumerate(zip(jobs, file_stems, keys)):
+        rec = {"name": job.name, "key": key, **info, "started": now_iso()}
+        done = _published(job, out_dir, stem, key, rec, t_start)
+        if done is not None:
+            recs[i] = done
+            continue
+        try:
+            loaded.append(_load(job, None if checksums is None else checksums[i]))
+        except _INPUT_ERRORS as exc:
+            recs[i] = _failed(rec, exc, t_start)
+            continue
+        todo.append((i, rec))
+    if not todo:
+        return recs
+    s = canonical_settings(jobs[todo[0][0]].settings)
+    xp, device = _device(s["device"])
+    got = quantize_arrays_stack([(W, H_in, H_out) for W, H_in, H_out, _ in loaded], s,
+                                xp=xp or np, one_sided=s["one_sided"], metrics="basic")
+    del loaded
+    share = (time.perf_counter() - t_start) / len(todo)
+    retry = None
+    for (i, rec), res in zip(todo, got):
+        if isinstance(res, _INPUT_ERRORS):
+            recs[i] = _failed(rec, res, t_start)
+        elif isinstance(res, BaseException):
+            retry = retry or res
+        else:
+            tensors, summary, _ = res
+            recs[i] = _write(jobs[i], out_dir, file_stems[i], keys[i], rec, tensors, summary,
+                             device, time.perf_counter() - share)
+    if retry is not None:  # not the inputs' fault: let the task be retried
+        raise retry
+    return recs
+
+
+def _published(job, out_dir, file_stem, key, rec, t_start):
+    """The record of a layer whose valid file exists already, else ``None``."""
+    file_format = canonical_settings(job.settings)["file_format"]
+    ok, _, checksum, meta = verify_layer_file(layer_path(out_dir, file_stem, file_format), key)
+    if not ok:
+        return None
+    return dict(rec, status="done", wrote=False, checksum=checksum,
+                device=meta.get("device"), worker_written=meta.get("worker"),
+                damp_in=_f(meta.get("damp_in")), damp_out=_f(meta.get("damp_out")),
+                proxy_error=_f(meta.get("proxy_error")),
+                rtn_proxy_error=_f(meta.get("rtn_proxy_error")),
+                seconds=time.perf_counter() - t_start, finished=now_iso())
+
+
+def _failed(rec, exc, t_start):
+    return dict(rec, status="failed", error=f"{type(exc).__name__}: {exc}",
+                traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__,
+                                                             limit=6)),
+                finished=now_iso(), seconds=time.perf_counter() - t_start)
+
+
+def _load(job, checksums):
+    """A job's inputs, checked: ``(W, H_in, H_out for the pipeline, (m, n))``."""
     s = canonical_settings(job.settings)
     W, cW = load_tensor(job.W)
     H_in, cI = load_tensor(job.H_in)
@@ -137,10 +205,26 @@ def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
     Ho_dense = Ho_diag = None
     if H_out is not None:
         Ho_dense, Ho_diag = _as_sym(H_out, m, "H_out", allow_diag=True)
+    return W, H_in, Ho_diag if Ho_diag is not None else Ho_dense, (m, n)
+
+
+def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
+    from .._lib.pipeline import quantize_arrays
+
+    s = canonical_settings(job.settings)
+    W, H_in, H_out, _ = _load(job, checksums)
     xp, device = _device(s["device"])
-    tensors, summary, _ = quantize_arrays(
-        W, H_in, Ho_diag if Ho_diag is not None else Ho_dense, s, xp=xp or np,
-        one_sided=s["one_sided"], metrics="basic")
+    tensors, summary, _ = quantize_arrays(W, H_in, H_out, s, xp=xp or np,
+                                          one_sided=s["one_sided"], metrics="basic")
+    return _write(job, out_dir, file_stem, key, rec, tensors, summary, device, t_start)
+
+
+def _write(job, out_dir, file_stem, key, rec, tensors, summary, device, t_start):
+    """Publish a solved layer write-once; its record."""
+    from .. import __version__
+
+    s = canonical_settings(job.settings)
+    m, n = tensors["W_hat"].shape
     meta = {"name": job.name, "key": key, "bakron_version": __version__,
             "settings": canonical_settings(s), "shape": [m, n],
             "two_sided": summary["two_sided"], "h_out_diagonal": summary["h_out_diagonal"],
