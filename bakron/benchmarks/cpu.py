@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-__all__ = ["main", "gptq_loop", "floor_product", "make_problem"]
+__all__ = ["main", "gptq_loop", "floor_product", "make_problem", "cpu_methods",
+           "parse_threads_table"]
 
 #: the project's targets: recursive time / floor, per size (float32, tile 16, 2 bits)
 TARGETS = {1024: 3.0, 2048: 2.5}
@@ -444,6 +445,198 @@ def _interleave(W, A_out, A_in, configs, repeats):
     return f, {c: float(np.median(v)) / f for c, v in ts.items()}, None
 
 
+# -- thread scaling: one fresh process per thread count -------------------------------------
+
+#: sizes of ``--threads`` (default) and of ``--threads --quick``
+THREAD_SIZES, THREAD_QUICK_SIZES = (1024, 2048, 4096), (64, 128)
+_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS",
+                "MKL_NUM_THREADS")
+
+
+def cpu_methods() -> list[tuple[str, str]]:
+    """Every (method, variant) the numba CPU engine declares (its ``CAPABILITIES``): a method
+    added to the engine is measured without a change here."""
+    from bakron.backends import numba_cpu
+
+    caps = numba_cpu.CAPABILITIES
+    out = []
+    for m in caps.methods:  # variants are the anti-diagonal's (Capabilities.runs)
+        for v in (caps.variants if m == "antidiagonal" else ("accumulator",)):
+            if caps.runs(m, v):
+                out.append((m, v))
+    return out
+
+
+def _method_label(method: str, variant: str) -> str:
+    return method if variant == "accumulator" else f"{method}/{variant}"
+
+
+def thread_child(threads: int, sizes, repeats: int, dtype: str, tile: int, bits: int,
+                 direct_max: int, budget: float) -> dict:
+    """One thread count, in this (fresh) process: the floor and every CPU method per size.
+    The environment's thread variables were set by the parent before Python started; the
+    process pins itself to ``threads`` cores when it may run on that many."""
+    pinned = False
+    if hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= threads:
+            os.sched_setaffinity(0, cores[:threads])
+            pinned = True
+    import bakron
+    from bakron.backends import numba_cpu
+
+    import numba
+
+    numba_cpu.warm_up()
+    dt = np.dtype(dtype)
+    rows = []
+    for n in sizes:
+        P = make_problem(n, n, (tile, tile), dt)
+        W, AO, AI = P["W"], P["A_out"], P["A_in"]
+        q = bakron.UniformQuantizer.fit(W, bits)
+        GO, GI = np.eye(n, dtype=dt) + AO, np.eye(n, dtype=dt) + AI
+        fns = {"floor": lambda: floor_product(GO, W, GI)}
+        for m, v in cpu_methods():
+            if v == "direct" and n > direct_max:  # O(n^4): minutes at 4096
+                continue
+            fns[_method_label(m, v)] = (lambda m=m, v=v: bakron.solve(
+                W, AO, AI, q, tile=tile, method=m, variant=v, engine="numba"))
+        times = interleaved(fns, repeats, budget)
+        floor = float(np.median(times["floor"]))
+        for name, ts in times.items():
+            if name != "floor" and ts:
+                rows.append({"threads": threads, "size": n, "method": name,
+                             "median": float(np.median(ts)), "floor": floor, "runs": len(ts)})
+        del P, W, AO, AI, GO, GI
+    return {"threads": threads, "pinned": pinned,
+            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else None, "numba_threads": numba.get_num_threads(),
+            "env": {k: os.environ.get(k) for k in _THREAD_VARS}, "machine": _machine(),
+            "rows": rows}
+
+
+def run_threads(thread_counts, sizes, *, repeats, dtype, tile, bits, direct_max, budget,
+                workdir, log=print) -> list[dict]:
+    """:func:`thread_child` in a fresh ``python`` per thread count, with
+    OPENBLAS/NUMBA/OMP/MKL_NUM_THREADS set to it; their results in order."""
+    import subprocess
+
+    results = []
+    for t in thread_counts:
+        env = dict(os.environ, **{k: str(t) for k in _THREAD_VARS})
+        path = os.path.join(workdir, f".threads-{t}.json")
+        cmd = [sys.executable, "-m", "bakron.benchmarks.cpu", "--_thread-child", str(t),
+               "--_child-out", path, "--sizes", ",".join(map(str, sizes)),
+               "--repeats", str(repeats), "--dtype", dtype, "--tile", str(tile),
+               "--bits", str(bits), "--direct-max", str(direct_max), "--budget", str(budget)]
+        log(f"bakron bench --threads: {t} thread{'s' if t > 1 else ''} (fresh process)")
+        p = subprocess.run(cmd, env=env)
+        if p.returncode != 0:
+            raise RuntimeError(f"the {t}-thread run failed (exit {p.returncode}): "
+                               f"{' '.join(cmd)}")
+        with open(path) as fh:
+            results.append(json.load(fh))
+        os.unlink(path)
+    return results
+
+
+def _ms4(seconds: float) -> str:
+    """Milliseconds to 4 significant digits (one decimal from 100 ms on)."""
+    ms = seconds * 1e3
+    return f"{ms:.1f}" if ms >= 100 else f"{ms:.4g}"
+
+
+THREADS_HEADER = "| threads | size | method | median ms | floor ms | ratio |"
+
+
+def write_threads_report(results, out_dir, command, dtype, tile, bits, repeats) -> str:
+    """``cpu-threads.md`` (and ``.json``, ``.png``) in ``out_dir``; returns the md path."""
+    os.makedirs(out_dir, exist_ok=True)
+    lines = ["# CPU thread scaling: every CPU method against the floor product", "",
+             f"Command: `{command}`", "",
+             f"dtype {dtype}, tile {tile}x{tile}, {bits}-bit grid (per-row RMS scales), "
+             f"Wishart Hessians; median of up to {repeats} runs per entry, interleaved with "
+             "the floor `G_Oᵀ W G_I` measured alongside in the same process. Each thread count "
+             "runs in a fresh process with OPENBLAS_NUM_THREADS = NUMBA_NUM_THREADS = "
+             "OMP_NUM_THREADS = MKL_NUM_THREADS = threads, pinned to that many cores "
+             "(`os.sched_setaffinity`) when the machine has them.", "",
+             THREADS_HEADER, "|---:|---:|---|---:|---:|---:|"]
+    for res in results:
+        for r in res["rows"]:
+            lines.append(f"| {r['threads']} | {r['size']} | {r['method']} | "
+                         f"{_ms4(r['median'])} | {_ms4(r['floor'])} | "
+                         f"{r['median'] / r['floor']:.2f} |")
+    lines += ["", "Processes:", ""]
+    for res in results:
+        where = "pinned to" if res["pinned"] else \
+            "NOT pinned (fewer cores allowed than threads); runs on"
+        lines.append(f"- {res['threads']} threads: {where} {res['affinity']} cores, numba "
+                     f"{res['numba_threads']} threads. {res['machine']}.")
+    lines += ["", "![ratio to the floor vs threads](cpu-threads.png)", ""]
+    png = os.path.join(out_dir, "cpu-threads.png")
+    try:
+        _plot_threads(results, png, dtype, tile, bits)
+    except ImportError:
+        lines[-2] = "(no plot: matplotlib is not installed; pip install 'bakron[bench]')"
+        print("bakron bench: matplotlib is not installed: no cpu-threads.png", file=sys.stderr)
+    from bakron._lib.fs import atomic_path
+
+    md = os.path.join(out_dir, "cpu-threads.md")
+    with atomic_path(md) as tmp, open(tmp, "w") as fh:
+        fh.write("\n".join(lines))
+    with atomic_path(os.path.join(out_dir, "cpu-threads.json")) as tmp, open(tmp, "w") as fh:
+        json.dump({"command": command, "dtype": dtype, "tile": tile, "bits": bits,
+                   "repeats": repeats, "processes": results}, fh, indent=1)
+    return md
+
+
+def parse_threads_table(text: str) -> list[dict]:
+    """The rows of a ``cpu-threads.md`` table (what :func:`write_threads_report` wrote)."""
+    lines = text.splitlines()
+    start = lines.index(THREADS_HEADER) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        c = [x.strip() for x in line.strip("|").split("|")]
+        rows.append({"threads": int(c[0]), "size": int(c[1]), "method": c[2],
+                     "median_ms": float(c[3]), "floor_ms": float(c[4]), "ratio": float(c[5])})
+    return rows
+
+
+def _plot_threads(results, path, dtype, tile, bits):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for res in results for r in res["rows"]]
+    sizes = sorted({r["size"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 4), squeeze=False)
+    for ax, n in zip(axes[0], sizes):
+        for m in methods:
+            pts = sorted((r["threads"], r["median"] / r["floor"]) for r in rows
+                         if r["size"] == n and r["method"] == m)
+            if pts:
+                x, y = zip(*pts)
+                ax.plot(x, y, "o-", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("threads")
+        ax.set_title(f"{n} × {n}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("median time ÷ floor G_Oᵀ W G_I")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"bakron CPU methods vs threads: {dtype}, tile {tile}, {bits}-bit grid")
+    fig.tight_layout()
+    from bakron._lib.fs import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ``bakron bench`` / ``python -m bakron.benchmarks.cpu``."""
     ap = argparse.ArgumentParser(prog="bakron bench", description=__doc__.split("\n\n")[0])
@@ -473,13 +666,25 @@ def parser() -> argparse.ArgumentParser:
                     help="also time the floor and the recursive solver on the MLP shapes "
                          "4096x11008 and 11008x4096 (about 3 minutes more)")
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: sizes 128,256, 2 repeats (overrides --sizes/--repeats)")
+                    help="a smoke run: sizes 128,256, 2 repeats (overrides --sizes/--repeats); "
+                         "with --threads: sizes 64,128")
+    ap.add_argument("--threads", default=None, metavar="T[,T...]",
+                    help="thread scaling instead: for each T a fresh process with "
+                         "OPENBLAS/NUMBA/OMP_NUM_THREADS=T (pinned to T cores when there are "
+                         "that many) times the floor and every CPU method at --sizes (default "
+                         "1024,2048,4096); writes cpu-threads.md/.png/.json to --out")
+    ap.add_argument("--_thread-child", dest="thread_child", type=int, default=None,
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
     return ap
 
 
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    raw = sys.argv[1:] if argv is None else list(argv)
+    if args.threads is not None or args.thread_child is not None:
+        return _main_threads(ap, args, raw)
     if args.quick:
         args.sizes, args.repeats = "128,256", 2
     try:
@@ -521,6 +726,51 @@ def main(argv=None) -> int:
               f"{verdict}")
     png = os.path.exists(os.path.join(args.out, "cpu.png"))
     print(f"wrote {os.path.join(args.out, 'cpu.md')}" + (" and cpu.png" if png else ""))
+    return 0
+
+
+def _main_threads(ap, args, raw) -> int:
+    """``--threads T,...`` (the parent) and ``--_thread-child T`` (one fresh process)."""
+    if args.thread_child is not None:
+        sizes = [int(x) for x in args.sizes.split(",")]
+        res = thread_child(args.thread_child, sizes, args.repeats, args.dtype, args.tile,
+                           args.bits, args.direct_max, args.budget)
+        from bakron._lib.fs import atomic_path
+
+        with atomic_path(args.child_out) as tmp, open(tmp, "w") as fh:
+            json.dump(res, fh)
+        return 0
+    try:
+        counts = [int(x) for x in args.threads.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--threads must be comma-separated integers, got {args.threads!r}")
+    if not counts or min(counts) < 1:
+        ap.error(f"--threads must be positive integers, got {args.threads!r}")
+    given = any(a == "--sizes" or a.startswith("--sizes=") for a in raw)
+    if args.quick:
+        sizes, args.repeats = list(THREAD_QUICK_SIZES), 2
+    elif given:
+        try:
+            sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+        except ValueError:
+            ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    else:
+        sizes = list(THREAD_SIZES)
+    if not sizes or min(sizes) < args.tile:
+        ap.error(f"--sizes must be at least the tile ({args.tile})")
+    from bakron.backends import numba_cpu
+
+    if not numba_cpu.available():
+        print("bakron bench needs numba (pip install 'bakron[bench]')", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    results = run_threads(counts, sizes, repeats=args.repeats, dtype=args.dtype,
+                          tile=args.tile, bits=args.bits, direct_max=args.direct_max,
+                          budget=args.budget, workdir=args.out)
+    command = "python -m bakron.bench " + " ".join(shlex.quote(a) for a in raw)
+    md = write_threads_report(results, args.out, command.strip(), args.dtype, args.tile,
+                              args.bits, args.repeats)
+    print(f"wrote {md}")
     return 0
 
 
