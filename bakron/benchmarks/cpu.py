@@ -729,6 +729,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def _prog() -> str:
+    """How this run was started, for the page's command line."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name in ("bakron.bench", "bakron.benchmarks.cpu"):
+        return f"python -m {name}"
+    if name in ("bakron", "bakron.__main__") or os.path.basename(sys.argv[0]) == "bakron":
+        return "bakron bench"
+    return "python -m bakron.bench"
+
+
 def _main_threads(ap, args, raw) -> int:
     """``--threads T,...`` (the parent) and ``--_thread-child T`` (one fresh process)."""
     if args.thread_child is not None:
@@ -764,10 +775,14 @@ def _main_threads(ap, args, raw) -> int:
         print("bakron bench needs numba (pip install 'bakron[bench]')", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    results = run_threads(counts, sizes, repeats=args.repeats, dtype=args.dtype,
-                          tile=args.tile, bits=args.bits, direct_max=args.direct_max,
-                          budget=args.budget, workdir=args.out)
-    command = "python -m bakron.bench " + " ".join(shlex.quote(a) for a in raw)
+    try:
+        results = run_threads(counts, sizes, repeats=args.repeats, dtype=args.dtype,
+                              tile=args.tile, bits=args.bits, direct_max=args.direct_max,
+                              budget=args.budget, workdir=args.out)
+    except RuntimeError as exc:
+        print(f"bakron bench --threads: {exc}", file=sys.stderr)
+        return 1
+    command = _prog() + " " + " ".join(shlex.quote(a) for a in raw)
     md = write_threads_report(results, args.out, command.strip(), args.dtype, args.tile,
                               args.bits, args.repeats)
     print(f"wrote {md}")
