@@ -66,6 +66,7 @@ def test_in_process_stacks_equal_one_layer_per_task(layers, tmp_path):
     assert_same(str(tmp_path / "one"), str(tmp_path / "stk"), names)
     sizes = stack_sizes(str(tmp_path / "stk"))
     assert [sizes[n] for n in names] == [4, 4, 1, 2, 4, 2, 4, 3, 3, 3]
+    assert stk.stacks == 4 and one.stacks == 10 and "; 4 stacks (" in stk.summary()
     assert set(stack_sizes(str(tmp_path / "one")).values()) == {1}
     m1, m2 = read_manifest(str(tmp_path / "one")), read_manifest(str(tmp_path / "stk"))
     for n in names:  # same keys and checksums: the files are the same bytes but for metadata
@@ -150,7 +151,7 @@ def test_dask_stacks_are_identical_to_the_local_path(tmp_path):
     # 2 workers, each group cut into 4 stacks (two per worker): 7 dense (poison included) in
     # 2 + 2 + 2 + 1, 6 diagonal in 2 + 2 + 1 + 1, 2 one-sided in 1 + 1: 10 tasks, 15 layers
     assert sorted(sizes.values()) == sorted([2] * 6 + [1] + [2] * 4 + [1] * 2 + [1] * 2)
-    assert sum(1 / s for s in sizes.values()) == pytest.approx(10)
+    assert sum(1 / s for s in sizes.values()) == pytest.approx(10) and res.stacks == 10
     counts = {}
     for r in read_journal(str(tmp_path / "dask")):
         counts[r["name"]] = counts.get(r["name"], 0) + 1

@@ -37,7 +37,8 @@ class RunResult:
     ``layers`` holds the manifest record of every job of this run; ``solved`` the layers whose
     file this run published, ``reused`` those whose valid output already existed (not
     submitted, or found by the task before solving), ``failed`` name -> error,
-    ``quarantined`` name -> (reason, where the invalid file was moved).
+    ``quarantined`` name -> (reason, where the invalid file was moved), ``stacks`` the
+    number of stacks (tasks, with a client) that ran the missing layers.
     """
 
     out_dir: str
@@ -48,6 +49,7 @@ class RunResult:
     quarantined: dict = field(default_factory=dict)
     seconds: float = 0.0
     interrupted: bool = False
+    stacks: int = 0
 
     @property
     def ok(self) -> bool:
@@ -63,6 +65,8 @@ class RunResult:
              f"{len(self.failed)} failed")
         if self.quarantined:
             s += f", {len(self.quarantined)} invalid outputs redone"
+        if self.stacks:
+            s += f"; {self.stacks} stack{'s' if self.stacks != 1 else ''}"
         return s + f" ({self.seconds:.1f} s)"
 
 
@@ -239,6 +243,7 @@ def run_layers(jobs: Iterable[LayerJob], out_dir, client=None, *, retries: int =
         try:
             parts = 1 if client is None else 2 * max(_n_workers(client), 1)
             chunks = _stacks(pending, stack_memory, parts)
+            result.stacks = len(chunks)
             if client is None:
                 for chunk in chunks:
                     for (j, stem, key, checks, rel), rec in zip(chunk, _run_here(chunk,
