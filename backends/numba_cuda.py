@@ -50,13 +50,15 @@ import os
 import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "warm_up",
-           "DEFAULT_BASE"]
+           "DEFAULT_BASE", "solve_stack", "stack_method"]
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
                                      RecursionPlan, step_count, step_width, two_level)
 
-from ._cuda_layout import DESC, HAS_F, HAS_T, HAS_YG, TWO_SIDED, ASYM
+from ._cuda_layout import (ASYM, DESC, HAS_F, HAS_T, HAS_YG, P_FLAGS, P_GSZ, P_HI, P_LO, P_M,
+                           P_N, P_NBLK, P_NSTEPS, P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS, PRM,
+                           TWO_SIDED, UNIFORM, block_row)
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 TF32 = os.environ.get("BAKRON_CUDA_TF32", "0") == "1"
@@ -76,6 +78,8 @@ CAPABILITIES = Capabilities(methods=("antidiagonal", "wavefront", "recursive"),
 
 _STREAMS: dict = {}
 _MAXGRID: dict = {}
+_PARAMS: dict = {}   # launch descriptors on the device, oldest first
+_PARAMS_MAX = 4096
 
 
 def _cuda():
@@ -114,28 +118,33 @@ class _DeviceSolve:
     output arrays of this solve."""
 
     def __init__(self, p):
-        self.p = p
-        if SIM:
-            self.mod = np
-        else:
-            import cupy
-            self.mod = cupy
+        self._setup(p)
         mod = self.mod
-        self.dtname = str(p.dtype)
-        self.isz = 4 if self.dtname == "float32" else 8
-        self.m, self.n = p.m, p.n
         self.W = mod.ascontiguousarray(p.W)
         self.AI = mod.ascontiguousarray(p.A_I)
         self.AO = mod.ascontiguousarray(p.A_O) if p.two_sided else None
         self.Wq = mod.empty((p.m, p.n), dtype=p.W.dtype)
         self.codes = mod.empty((p.m, p.n), dtype=mod.int16)
         self.T = mod.empty((p.m, p.n), dtype=p.W.dtype) if p.record_targets else None
-        q = p.quantizer
-        s_tab, z_tab = q.tables(p.xp, p.device, p.dtype)
+        s_tab, z_tab = p.quantizer.tables(p.xp, p.device, p.dtype)
         self.S = mod.ascontiguousarray(s_tab)
         self.Z = None if z_tab is None else mod.ascontiguousarray(z_tab)
         self.s_shape = tuple(int(v) for v in self.S.shape)
         self.z_shape = (1, 1) if self.Z is None else tuple(int(v) for v in self.Z.shape)
+
+    def _setup(self, p):
+        """What does not depend on the arrays: sizes, the quantizer's kind, the kernel, the
+        stream (``p``'s quantizer stands for every item of a stack)."""
+        self.p = p
+        if SIM:
+            self.mod = np
+        else:
+            import cupy
+            self.mod = cupy
+        self.dtname = str(p.dtype)
+        self.isz = 4 if self.dtname == "float32" else 8
+        self.m, self.n = p.m, p.n
+        q = p.quantizer
         self.gsz = int(q.group_size or 1)
         self.lo, self.hi = q.code_range
         self.flags0 = ((TWO_SIDED if p.two_sided else 0) | (0 if q.symmetric else ASYM)
@@ -186,26 +195,46 @@ class _DeviceSolve:
             hit = self._wrapped[key] = (_cuda().as_cuda_array(x.reshape(-1), sync=False), x)
         return hit[0]
 
+    def params(self, nblk: int, nsteps: int, flags: int):
+        """The launch descriptor (``_cuda_layout.P_*``) of a launch of ``nblk`` blocks and
+        ``nsteps`` steps, on the device. Each distinct one is uploaded once and cached (a
+        plan has a few kinds of launch), so repeated solves copy nothing to the device."""
+        prm = np.zeros(PRM, dtype=np.int64)
+        prm[P_M], prm[P_N], prm[P_NBLK], prm[P_NSTEPS] = self.m, self.n, nblk, nsteps
+        prm[P_FLAGS] = flags | self.flags0
+        prm[P_S_ROWS], prm[P_S_COLS] = self.s_shape
+        prm[P_Z_ROWS], prm[P_Z_COLS] = self.z_shape
+        prm[P_GSZ], prm[P_LO], prm[P_HI] = self.gsz, self.lo, self.hi
+        if SIM:
+            return prm
+        key = (self.dev, prm.tobytes())
+        hit = _PARAMS.get(key)
+        if hit is None:
+            hit = _PARAMS[key] = self.device_table(prm)
+            while len(_PARAMS) > _PARAMS_MAX:
+                _PARAMS.pop(next(iter(_PARAMS)))
+        return hit
+
     def launch(self, desc, first: int, nblk: int, nsteps: int, grid: int, flags: int,
                F, Yg=None):
         """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``)."""
         p = self.p
         W = self.W
+        prm = self.params(nblk, nsteps, flags)
         if SIM:
             dsc = desc[first * DESC:]
         elif LAUNCH == "ptr":
             dsc = int(desc.data.ptr) + first * DESC * 8
+            prm = int(prm.data.ptr)
         else:
             dsc = self._arg(desc)[first * DESC:]
+            prm = self._arg(prm)
         a = self._arg
         problem = (a(W), a(self.AO if self.AO is not None else W), a(self.AI))
         buffers = (a(F), a(self.E), a(Yg if Yg is not None else W), a(self.Wq), a(self.codes),
                    a(self.T if self.T is not None else W))
-        schedule = (dsc, self.m, self.n, nblk, nsteps, flags | self.flags0)
-        quant_grid = (a(self.S), a(self.Z if self.Z is not None else self.S),
-                      self.s_shape[0], self.s_shape[1], self.z_shape[0], self.z_shape[1],
-                      self.gsz, self.lo, self.hi)
-        args = _kernel_order(problem, buffers, schedule, quant_grid)
+        quant_grid = (a(self.S), a(self.Z if self.Z is not None else self.S))
+        args = _kernel_order(problem, buffers, quant_grid, (dsc, prm))
         grid = max(1, min(grid, self.max_grid()))
         self.launches += 1
         if SIM:
@@ -366,15 +395,14 @@ def _strided(buf, off, shape, ld):
     return np.lib.stride_tricks.as_strided(flat[off:], shape=shape, strides=(ld * isz, isz))
 
 
-def _kernel_order(problem, buffers, schedule, quant_grid) -> tuple:
+def _kernel_order(problem, buffers, quant_grid, schedule) -> tuple:
     """The kernel's positional arguments from its four groups (``_cuda_kernels.make_kernel``:
-    ``W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, m, n, nblk, nsteps, flags, s_rows,
-    s_cols, z_rows, z_cols, gsz, lo, hi``)."""
+    ``W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, prm``)."""
     W, AO, AI = problem
     F, E, Yg, Wq, codes, T = buffers
-    S, Z, s_rows, s_cols, z_rows, z_cols, gsz, lo, hi = quant_grid
-    return (W, AO, AI, F, E, Yg, Wq, codes, S, Z, T) + tuple(schedule) + (
-        s_rows, s_cols, z_rows, z_cols, gsz, lo, hi)
+    S, Z = quant_grid
+    desc, prm = schedule
+    return (W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, prm)
 
 
 def _fallback_to_arrays(exc) -> None:
@@ -433,7 +461,7 @@ def _antidiagonal(r: _DeviceSolve) -> None:
     mod = r.mod
     two = p.two_sided
     desc = _cached(_key(r, "antidiagonal", 0), lambda: r.device_table(
-        np.array([0, p.M, 0, p.N, 0, p.n], dtype=np.int64)))
+        np.array(block_row(0, p.M, 0, p.N, 0, p.n), dtype=np.int64)))
     r.E = mod.empty((p.m, p.n), dtype=p.W.dtype)
     Y = mod.empty((p.m, p.n), dtype=p.W.dtype)  # the local accumulator G_O^T Ẽ
     r.launch(desc, 0, 1, step_count(p.M, p.N, two), step_width(p.M, p.N, two), 0, Y)
@@ -486,7 +514,7 @@ class _WavePlan:
             start = len(desc_rows)
             for j, b in enumerate(step.blocks):
                 f_off = j * Sr * Sc if two else R[b.ra] * Sc
-                desc_rows.append([b.ra, b.rb, b.ca, b.cb, f_off, Sc])
+                desc_rows.append(block_row(b.ra, b.rb, b.ca, b.cb, f_off, Sc))
             if step.scatter:
                 # push the errors: Yg[0:Rg, cols] += A_O[rows, 0:Rg]^T E_block (A_O is zero
                 # right of a block's rows, so the group's lowest block sets Rg); the kernel
@@ -574,7 +602,7 @@ def _recursive(r: _DeviceSolve, base: int) -> None:
                 continue
             start = len(desc_rows)
             for b in what:
-                desc_rows.append([b.ra, b.rb, b.ca, b.cb, R[b.ra] * n + C[b.ca], n])
+                desc_rows.append(block_row(b.ra, b.rb, b.ca, b.cb, R[b.ra] * n + C[b.ca], n))
             program.append((kind, (start, len(what),
                                    max(step_count(*b.shape, two) for b in what),
                                    sum(step_width(*b.shape, two) for b in what))))
@@ -657,6 +685,158 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
         _recursive(r, max(1, int(base)))
     return EngineResult(values=r.Wq, codes=r.codes, targets=r.T,
                         info={"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms})
+
+
+# ------------------------------------------------------------------------------------------
+# stacks: the items of a chunk advance together (docs/stacks.md)
+# ------------------------------------------------------------------------------------------
+
+#: ``method="auto"`` on a stack: the one-launch anti-diagonal over all items of a chunk when
+#: a matrix has at most this many elements; larger layers fill the GPU alone, their chunks
+#: are declined and every item runs its own ``auto_method``. An estimate from the
+#: single-layer times of docs/benchmarks/h200.md (the anti-diagonal's work per item is about
+#: half a floor product; the wavefront wins once one item fills the grid), to be replaced
+#: by the stack measurements (``python -m bakron.bench_stack --gpu --suite``).
+STACK_ANTIDIAGONAL_MAX_MN = 2048 * 2048
+#: ... and when the chunk has at least this many items (one item: the single-layer rule)
+STACK_MIN_ITEMS = 2
+
+
+class _StackSolve(_DeviceSolve):
+    """One launch context for items ``[start, stop)`` of a stack chunk: the kernel's arrays
+    hold every item (inputs as the stack layer flattened them, the chunk's outputs in place,
+    ``E`` and the accumulator per item), and each block descriptor says where its item
+    starts in each (``_cuda_layout.block_row``)."""
+
+    def __init__(self, chunk, p, tables):
+        self._setup(p)
+        mod = self.mod
+        m, n = p.m, p.n
+        items = np.arange(chunk.start, chunk.stop)
+        self.nb = nb = len(items)
+
+        def rows_of(flat, index):
+            """The rows of ``flat`` that the chunk's items use, contiguous, and each item's
+            row in that range (a shared factor: the same row for every item)."""
+            idx = np.asarray(index)[items]
+            lo, hi = int(idx.min()), int(idx.max())
+            return mod.ascontiguousarray(flat[lo:hi + 1]), idx - lo
+
+        self.W, w_row = rows_of(chunk.W, chunk.w_index)
+        self.AI, ai_row = rows_of(chunk.A_in, chunk.in_index)
+        if p.two_sided:
+            self.AO, ao_row = rows_of(chunk.A_out, chunk.out_index)
+        else:
+            self.AO, ao_row = None, np.zeros(nb, dtype=np.int64)
+        self.Wq = chunk.values
+        self.codes = chunk.codes
+        self.T = chunk.targets
+        # the quantizer tables: one shared table, or one per item stacked (same shapes)
+        S = [t[0] for t in tables]
+        Z = [t[1] for t in tables]
+        shared = all(x is S[0] for x in S) and all(x is Z[0] for x in Z)
+        self.S = mod.ascontiguousarray(S[0] if shared else mod.stack(S))
+        self.Z = None if Z[0] is None else mod.ascontiguousarray(Z[0] if shared
+                                                                 else mod.stack(Z))
+        self.s_shape = tuple(int(v) for v in S[0].shape)
+        self.z_shape = (1, 1) if Z[0] is None else tuple(int(v) for v in Z[0].shape)
+        s_size = 0 if shared else self.s_shape[0] * self.s_shape[1]
+        z_size = 0 if shared else self.z_shape[0] * self.z_shape[1]
+        mn = m * n
+        self.rows = [dict(w=int(w_row[j]) * mn, out=int(items[j]) * mn, e=j * mn,
+                          ao=int(ao_row[j]) * m * m, ai=int(ai_row[j]) * n * n,
+                          s=j * s_size, z=j * z_size) for j in range(nb)]
+
+
+def _stack_antidiagonal(r: _StackSolve) -> str:
+    """Every item's whole tile wavefront in ONE launch: step ``g`` solves anti-diagonal
+    ``g`` of all items (``UNIFORM``: the items' blocks have one shape)."""
+    p = r.p
+    mod = r.mod
+    two = p.two_sided
+    mn = p.m * p.n
+    desc = r.device_table(np.array([block_row(0, p.M, 0, p.N, row["e"], p.n, **row)
+                                    for row in r.rows], dtype=np.int64).reshape(-1))
+    r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
+    Y = mod.empty((r.nb * mn,), dtype=p.W.dtype)  # each item's local accumulator G_O^T Ẽ
+    nsteps = step_count(p.M, p.N, two)
+    r.launch(desc, 0, r.nb, nsteps, r.nb * step_width(p.M, p.N, two), UNIFORM, Y)
+    return (f"one launch for {r.nb} items: {nsteps} grid-synchronised tile steps, each over "
+            f"the tiles of every item")
+
+
+def _stack_kind(chunk, p):
+    """Every item's quantizer tables in W's dtype, or ``None`` when the items' quantizers
+    differ in kind (symmetric or not, code range, group size, table shapes) or one is not a
+    plain :class:`bakron.UniformQuantizer` (the chunk is then declined)."""
+    from bakron.solvers.engines import is_plain_uniform
+
+    kind0 = None
+    tables = []
+    for i in range(chunk.start, chunk.stop):
+        q = chunk.quantizers[i]
+        if not is_plain_uniform(q):
+            return None
+        s_tab, z_tab = q.tables(p.xp, p.device, p.dtype)
+        kind = (q.symmetric, q.code_range, q.group_size or 1, tuple(s_tab.shape),
+                None if z_tab is None else tuple(z_tab.shape))
+        if kind0 is None:
+            kind0 = kind
+        elif kind != kind0:
+            return None
+        tables.append((s_tab, z_tab))
+    return tables
+
+
+def stack_method(p, items: int, method: str) -> str | None:
+    """The method a stack chunk of ``items`` items like ``p`` runs in one launch context,
+    or ``None`` to decline (the stack layer then solves its items one by one): the
+    anti-diagonal, explicitly or for ``"auto"`` within ``STACK_ANTIDIAGONAL_MAX_MN`` and
+    ``STACK_MIN_ITEMS``. The recursion and the two-level wavefront have no stack form yet."""
+    if method == "antidiagonal":
+        return method
+    if method == "auto" and items >= STACK_MIN_ITEMS and p.m * p.n <= STACK_ANTIDIAGONAL_MAX_MN:
+        return "antidiagonal"
+    return None
+
+
+def solve_stack(chunk):
+    """The stack hook (``bakron.solvers.stack.StackChunk``; docs/stacks.md): solve items
+    ``[chunk.start, chunk.stop)`` with every launch covering all of them, writing into the
+    chunk's outputs; one ``info`` dict per item, or ``None`` to decline.
+
+    Declines when the method has no stack form here (:func:`stack_method`), for the
+    ``direct`` variant, when the items' quantizers differ in kind, or when the outputs are
+    not contiguous. Extra memory: ``E`` and the local accumulator, ``2 m n`` per item."""
+    from bakron import _xp
+    from bakron.solvers._problem import Problem
+
+    if chunk.variant != "accumulator" or chunk.stop <= chunk.start:
+        return None
+    W0, A_out0, A_in0, q0 = chunk.item(chunk.start)
+    p = Problem(_xp.namespace(W0), W0, A_out0, A_in0, q0, chunk.tile,
+                record_targets=chunk.targets is not None)
+    if CAPABILITIES.refusal(p) is not None:
+        return None
+    method = stack_method(p, chunk.stop - chunk.start, chunk.method)
+    if method is None:
+        return None
+    tables = _stack_kind(chunk, p)
+    outs = [chunk.values] + [a for a in (chunk.codes, chunk.targets) if a is not None]
+    if tables is None or not all(a.flags.c_contiguous for a in outs):
+        return None
+    if chunk.codes is None:  # the stacked codes, allocated by the first chunk
+        v = chunk.values
+        chunk.codes = (np if SIM else _cupy()).zeros(tuple(v.shape), dtype=np.int16)
+    r = _StackSolve(chunk, p, tables)
+    ran = _stack_antidiagonal(r)
+    return [{"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms, "method": method,
+             "engine": NAME, "stack_run": ran} for _ in range(r.nb)]
+
+
+def _cupy():
+    import cupy
+    return cupy
 
 
 def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:
