@@ -698,7 +698,7 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
 #: half a floor product; the wavefront wins once one item fills the grid), to be replaced
 #: by the stack measurements (``python -m bakron.bench_stack --gpu --suite``).
 STACK_ANTIDIAGONAL_MAX_MN = 2048 * 2048
-#: ... and when the chunk has at least this many items (one item: the single-layer rule)
+#: ... and when the stack has at least this many items (one item: the single-layer rule)
 STACK_MIN_ITEMS = 2
 
 
@@ -789,8 +789,8 @@ def _stack_kind(chunk, p):
 
 
 def stack_method(p, items: int, method: str) -> str | None:
-    """The method a stack chunk of ``items`` items like ``p`` runs in one launch context,
-    or ``None`` to decline (the stack layer then solves its items one by one): the
+    """The method the chunks of a stack of ``items`` items like ``p`` run in one launch
+    context (every chunk of a stack decides alike), or ``None`` to decline (the stack layer then solves its items one by one): the
     anti-diagonal, explicitly or for ``"auto"`` within ``STACK_ANTIDIAGONAL_MAX_MN`` and
     ``STACK_MIN_ITEMS``. The recursion and the two-level wavefront have no stack form yet."""
     if method == "antidiagonal":
@@ -818,7 +818,7 @@ def solve_stack(chunk):
                 record_targets=chunk.targets is not None)
     if CAPABILITIES.refusal(p) is not None:
         return None
-    method = stack_method(p, chunk.stop - chunk.start, chunk.method)
+    method = stack_method(p, int(chunk.values.shape[0]), chunk.method)  # the whole stack's
     if method is None:
         return None
     tables = _stack_kind(chunk, p)
