@@ -49,7 +49,7 @@ from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_CA, 
                            DESC_E_OFFSET, DESC_F_LD, DESC_F_OFFSET, DESC_OUT_OFFSET, DESC_RA,
                            DESC_RB, DESC_S_OFFSET, DESC_W_OFFSET, DESC_Z_OFFSET, HAS_F, HAS_T,
                            HAS_YG, P_FLAGS, P_GSZ, P_HI, P_LO, P_M, P_N, P_NBLK, P_NSTEPS,
-                           P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS, TWO_SIDED, UNIFORM)
+                           P_PERIOD, P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS, TWO_SIDED)
 
 _CACHE: dict = {}
 
@@ -142,6 +142,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
         gsz = prm[P_GSZ]
         lo_i = prm[P_LO]
         hi_i = prm[P_HI]
+        period = prm[P_PERIOD]
         sAO = cuda.shared.array((KC, TX), dt)
         sE = cuda.shared.array((KC, TY), dt)
         sY = cuda.shared.array((TX, KC), dt)
@@ -159,48 +160,37 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
         has_yg = (flags & HAS_YG) != 0
         asym = (flags & ASYM) != 0
         has_t = (flags & HAS_T) != 0
-        uniform = (flags & UNIFORM) != 0
-        cnt0 = 0
-        alo0 = 0
-        s0 = 0
         lo = dt(lo_i)
         hi = dt(hi_i)
         zero = dt(0.0)
         for g in range(nsteps):
             # tiles of this step over all blocks
-            total = 0
-            if uniform:  # every block has block 0's tile ranges: nblk x its tiles
-                cnt0, alo0, s0 = _step_tiles(desc[DESC_RB] - desc[DESC_RA],
-                                             desc[DESC_CB] - desc[DESC_CA], g, two)
-                total = nblk * cnt0
-            else:
-                for bi in range(nblk):
+            # tiles of this step: the blocks repeat the tile ranges of the first ``period``
+            # (a stack: one period per item), so count one period and multiply
+            per = 0
+            for bi in range(period):
+                d = bi * DESC
+                cnt, alo, s = _step_tiles(desc[d + DESC_RB] - desc[d + DESC_RA],
+                                          desc[d + DESC_CB] - desc[d + DESC_CA], g, two)
+                per += cnt
+            total = (nblk // period) * per
+            w = cuda.blockIdx.x
+            while w < total:
+                # locate work item w: period rep, block bi of the period, its rem-th tile
+                rep = w // per
+                rem = w - rep * per
+                bi = 0
+                alo = 0
+                s = 0
+                while bi < period:
                     d = bi * DESC
                     cnt, alo, s = _step_tiles(desc[d + DESC_RB] - desc[d + DESC_RA],
                                               desc[d + DESC_CB] - desc[d + DESC_CA], g, two)
-                    total += cnt
-            w = cuda.blockIdx.x
-            while w < total:
-                # locate work item w: block bi, its k-th tile of this step
-                bi = 0
-                rem = w
-                alo = 0
-                s = 0
-                if uniform:
-                    bi = w // cnt0
-                    rem = w - bi * cnt0
-                    alo = alo0
-                    s = s0
-                else:
-                    while bi < nblk:
-                        d = bi * DESC
-                        cnt, alo, s = _step_tiles(desc[d + DESC_RB] - desc[d + DESC_RA],
-                                                  desc[d + DESC_CB] - desc[d + DESC_CA], g,
-                                                  two)
-                        if rem < cnt:
-                            break
-                        rem -= cnt
-                        bi += 1
+                    if rem < cnt:
+                        break
+                    rem -= cnt
+                    bi += 1
+                bi += rep * period
                 d = bi * DESC
                 ra = desc[d + DESC_RA]
                 rb = desc[d + DESC_RB]

@@ -18,18 +18,18 @@ TWO_SIDED = 4
 ASYM = 8
 #: record every target into ``T``
 HAS_T = 16
-#: every block of the launch has the tile ranges of block 0 (a stack: one block per item), so
-#: the kernel finds a tile's block by a division instead of a scan of the descriptors
-UNIFORM = 32
 
 #: fields of the launch descriptor (int64 each): the matrix size ``m x n``, the blocks of
 #: the launch ``nblk``, its grid-synchronised steps ``nsteps``, the flag bits, the shapes of
 #: the quantizer's scale table ``s_rows x s_cols`` and zero-point table ``z_rows x z_cols``,
-#: its group size ``gsz`` and code range ``lo .. hi``
+#: its group size ``gsz`` and code range ``lo .. hi``, and the ``period``: the blocks repeat
+#: the tile ranges of the first ``period`` blocks (``nblk`` a multiple of it; a single
+#: solve: ``nblk``; a stack: the blocks of one item, its items in turn), so the kernel finds
+#: a tile's block by a division and a scan of one period instead of all the descriptors
 (P_M, P_N, P_NBLK, P_NSTEPS, P_FLAGS, P_S_ROWS, P_S_COLS, P_Z_ROWS, P_Z_COLS, P_GSZ, P_LO,
- P_HI) = range(12)
+ P_HI, P_PERIOD) = range(13)
 #: launch descriptor width
-PRM = 12
+PRM = 13
 
 #: fields of a block descriptor (int64 each): tile ranges ``[ra, rb) x [ca, cb)``; where the
 #: block's offsets / local accumulator live in the ``F`` buffer (element offset of the

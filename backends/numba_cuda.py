@@ -42,6 +42,9 @@ Options (module attributes, or environment variables read at import):
   256 threads per SM at 128); 0 leaves it to the compiler.
 * ``LAUNCH`` (``BAKRON_CUDA_LAUNCH``, ``ptr`` or ``array``): pass raw device pointers to the
   kernel (no wrapping per launch) or wrapped 1-D arrays (``cuda.as_cuda_array``; slower).
+* ``STACK`` (``BAKRON_CUDA_STACK``, default 1): the stack hook ``solve_stack`` (every launch
+  and GEMM covers all items of a stack chunk, docs/stacks.md); 0 declines every stack, so
+  the stack layer solves the items one by one (what the benchmark compares against).
 """
 from __future__ import annotations
 
@@ -57,12 +60,13 @@ from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGH
                                      RecursionPlan, step_count, step_width, two_level)
 
 from ._cuda_layout import (ASYM, DESC, HAS_F, HAS_T, HAS_YG, P_FLAGS, P_GSZ, P_HI, P_LO, P_M,
-                           P_N, P_NBLK, P_NSTEPS, P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS, PRM,
-                           TWO_SIDED, UNIFORM, block_row)
+                           P_N, P_NBLK, P_NSTEPS, P_PERIOD, P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS,
+                           PRM, TWO_SIDED, block_row)
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 TF32 = os.environ.get("BAKRON_CUDA_TF32", "0") == "1"
 MAXREG = int(os.environ.get("BAKRON_CUDA_MAXREG", "128"))
+STACK = os.environ.get("BAKRON_CUDA_STACK", "1") == "1"
 LAUNCH = os.environ.get("BAKRON_CUDA_LAUNCH", "array" if SIM else "ptr")
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
@@ -195,9 +199,10 @@ class _DeviceSolve:
             hit = self._wrapped[key] = (_cuda().as_cuda_array(x.reshape(-1), sync=False), x)
         return hit[0]
 
-    def params(self, nblk: int, nsteps: int, flags: int):
-        """The launch descriptor (``_cuda_layout.P_*``) of a launch of ``nblk`` blocks and
-        ``nsteps`` steps, on the device. Each distinct one is uploaded once and cached (a
+    def params(self, nblk: int, nsteps: int, flags: int, period: int = 0):
+        """The launch descriptor (``_cuda_layout.P_*``) of a launch of ``nblk`` blocks (the
+        tile ranges of the first ``period`` repeating; 0: no repetition) and ``nsteps``
+        steps, on the device. Each distinct one is uploaded once and cached (a
         plan has a few kinds of launch), so repeated solves copy nothing to the device."""
         prm = np.zeros(PRM, dtype=np.int64)
         prm[P_M], prm[P_N], prm[P_NBLK], prm[P_NSTEPS] = self.m, self.n, nblk, nsteps
@@ -205,6 +210,7 @@ class _DeviceSolve:
         prm[P_S_ROWS], prm[P_S_COLS] = self.s_shape
         prm[P_Z_ROWS], prm[P_Z_COLS] = self.z_shape
         prm[P_GSZ], prm[P_LO], prm[P_HI] = self.gsz, self.lo, self.hi
+        prm[P_PERIOD] = period if period else max(1, nblk)
         if SIM:
             return prm
         key = (self.dev, prm.tobytes())
@@ -216,11 +222,12 @@ class _DeviceSolve:
         return hit
 
     def launch(self, desc, first: int, nblk: int, nsteps: int, grid: int, flags: int,
-               F, Yg=None):
-        """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``)."""
+               F, Yg=None, period: int = 0):
+        """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``; the
+        tile ranges of the first ``period`` repeat, see ``params``)."""
         p = self.p
         W = self.W
-        prm = self.params(nblk, nsteps, flags)
+        prm = self.params(nblk, nsteps, flags, period)
         if SIM:
             dsc = desc[first * DESC:]
         elif LAUNCH == "ptr":
@@ -253,7 +260,7 @@ class _DeviceSolve:
                     self.kernel, self.nt = _kernels().make_kernel(
                         self.dtname, p.tx, p.ty, "array", MAXREG)
                     self.launches -= 1
-                    return self.launch(desc, first, nblk, nsteps, grid, flags, F, Yg)
+                    return self.launch(desc, first, nblk, nsteps, grid, flags, F, Yg, period)
             else:
                 self.kernel[grid, self.nt, self.nstream](*args)
 
@@ -540,7 +547,8 @@ class _WavePlan:
         self.offs = offs
         self.bidx = bidx
         self.batched = any(op[11] > 1 for op in ops)
-        self.desc = r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1))
+        self.desc_rows = np.array(desc_rows, dtype=np.int64).reshape(-1, DESC)
+        self.desc = r.device_table(self.desc_rows.reshape(-1))
         if not SIM and self.batched:
             self.offs_dev = r.device_table(offs)
             self.bidx_dev = r.device_table(bidx)
@@ -750,7 +758,7 @@ class _StackSolve(_DeviceSolve):
 
 def _stack_antidiagonal(r: _StackSolve) -> str:
     """Every item's whole tile wavefront in ONE launch: step ``g`` solves anti-diagonal
-    ``g`` of all items (``UNIFORM``: the items' blocks have one shape)."""
+    ``g`` of all items (period 1: the items' blocks have one shape)."""
     p = r.p
     mod = r.mod
     two = p.two_sided
@@ -760,9 +768,74 @@ def _stack_antidiagonal(r: _StackSolve) -> str:
     r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
     Y = mod.empty((r.nb * mn,), dtype=p.W.dtype)  # each item's local accumulator G_O^T Ẽ
     nsteps = step_count(p.M, p.N, two)
-    r.launch(desc, 0, r.nb, nsteps, r.nb * step_width(p.M, p.N, two), UNIFORM, Y)
+    r.launch(desc, 0, r.nb, nsteps, r.nb * step_width(p.M, p.N, two), 0, Y, period=1)
     return (f"one launch for {r.nb} items: {nsteps} grid-synchronised tile steps, each over "
             f"the tiles of every item")
+
+
+class _StackWavePlan:
+    """The two-level plan of one item (``_WavePlan``) repeated over the items of a stack
+    chunk: each coarse step's descriptors hold every item's blocks (item after item, so the
+    launch's period is one item's blocks) and each planned GEMM's batch holds every item's
+    entries, shifted by the item's offsets in ``E``/``Yg``/``Fb``/``A_I``/``A_O``."""
+
+    def __init__(self, r: "_StackSolve", plan: _WavePlan):
+        nb, mn, fb = r.nb, r.m * r.n, plan.fb_size
+        rows = r.rows
+        item_off = {"Yg": [j * mn for j in range(nb)], "E": [j * mn for j in range(nb)],
+                    "Fb": [j * fb for j in range(nb)], "AI": [rw["ai"] for rw in rows],
+                    "AO": [rw["ao"] for rw in rows]}
+        self.fb_size = fb
+        desc, steps = [], []
+        for start, k, nsteps, grid, flags, before, after in plan.steps:
+            first = len(desc)
+            for j, rw in enumerate(rows):
+                for d in plan.desc_rows[start:start + k]:
+                    desc.append(block_row(*(int(v) for v in d[:4]), int(d[4]) + j * fb,
+                                          int(d[5]), **rw))
+            steps.append((first, k * nb, nsteps, grid * nb, flags, before, after, k))
+        self.steps = steps
+        self.ops = []
+        kb = max([op[11] for op in plan.ops] + [1]) * nb
+        offs = np.zeros((3 * len(plan.ops), kb), dtype=np.int64)
+        for op in plan.ops:
+            ta, tb, M, N, K, alpha, beta, A, B, C, row, k = op
+            for t, buf in enumerate((A, B, C)):
+                shift = np.asarray(item_off[buf[0]], dtype=np.int64)
+                offs[row + t, :k * nb] = (plan.offs[row + t, :k][None, :]
+                                          + shift[:, None]).reshape(-1)
+            self.ops.append([ta, tb, M, N, K, alpha, beta, A, B, C, row, k * nb])
+        self.offs = offs
+        self.bidx = plan.bidx
+        self.batched = any(op[11] > 1 for op in self.ops)
+        self.desc = r.device_table(np.array(desc, dtype=np.int64).reshape(-1))
+        if not SIM and self.batched:
+            self.offs_dev = r.device_table(offs)
+            self.bidx_dev = r.device_table(self.bidx)
+
+
+def _stack_wavefront(r: "_StackSolve", cs: int) -> str:
+    """The two-level wavefront of every item at once: per coarse step, batched GEMMs over
+    every item's blocks, one launch, batched GEMMs."""
+    p = r.p
+    mod = r.mod
+    plan = _cached(_key(r, "wavefront", cs), lambda: _WavePlan(r, cs))
+    sp = _StackWavePlan(r, plan)
+    mn = p.m * p.n
+    r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
+    Yg = mod.zeros((r.nb * mn,), dtype=p.W.dtype) if p.two_sided else None
+    Fb = mod.empty((r.nb * sp.fb_size,), dtype=p.W.dtype)
+    r.buffers = {"Yg": Yg, "AI": r.AI, "AO": r.AO, "E": r.E, "Fb": Fb}
+    ptrs = sp.offs if SIM else _pointers(r, sp, r.buffers)
+    for first, k, nsteps, grid, flags, before, after, period in sp.steps:
+        for g in before:
+            r.gemm_batched(sp.ops[g], ptrs)
+        r.launch(sp.desc, first, k, nsteps, grid, flags, Fb, Yg, period=period)
+        for g in after:
+            r.gemm_batched(sp.ops[g], ptrs)
+    return (f"one launch per coarse step for {r.nb} items: {len(sp.steps)} coarse steps of "
+            f"base {cs}, each batched GEMMs over every item's blocks, one launch, batched "
+            f"GEMMs")
 
 
 def _stack_kind(chunk, p):
@@ -789,15 +862,19 @@ def _stack_kind(chunk, p):
 
 
 def stack_method(p, items: int, method: str) -> str | None:
-    """The method the chunks of a stack of ``items`` items like ``p`` run in one launch
-    context (every chunk of a stack decides alike), or ``None`` to decline (the stack layer then solves its items one by one): the
-    anti-diagonal, explicitly or for ``"auto"`` within ``STACK_ANTIDIAGONAL_MAX_MN`` and
-    ``STACK_MIN_ITEMS``. The recursion and the two-level wavefront have no stack form yet."""
-    if method == "antidiagonal":
+    """The method the chunks of a stack of ``items`` items like ``p`` run with every launch
+    covering all of a chunk's items (every chunk of a stack decides alike), or ``None`` to
+    decline (the stack layer then solves its items one by one). ``antidiagonal`` and
+    ``wavefront`` have stack forms, the recursion not; ``"auto"`` (for at least
+    ``STACK_MIN_ITEMS`` items) takes the anti-diagonal up to ``STACK_ANTIDIAGONAL_MAX_MN``
+    elements per matrix, the two-level wavefront above."""
+    if not STACK:
+        return None
+    if method in ("antidiagonal", "wavefront"):
         return method
-    if method == "auto" and items >= STACK_MIN_ITEMS and p.m * p.n <= STACK_ANTIDIAGONAL_MAX_MN:
-        return "antidiagonal"
-    return None
+    if method != "auto" or items < STACK_MIN_ITEMS:
+        return None
+    return "antidiagonal" if p.m * p.n <= STACK_ANTIDIAGONAL_MAX_MN else "wavefront"
 
 
 def solve_stack(chunk):
@@ -829,7 +906,11 @@ def solve_stack(chunk):
         v = chunk.values
         chunk.codes = (np if SIM else _cupy()).zeros(tuple(v.shape), dtype=np.int16)
     r = _StackSolve(chunk, p, tables)
-    ran = _stack_antidiagonal(r)
+    if method == "antidiagonal":
+        ran = _stack_antidiagonal(r)
+    else:
+        ran = _stack_wavefront(r, max(1, int(auto_base(p) if chunk.base is None
+                                             else chunk.base)))
     return [{"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms, "method": method,
              "engine": NAME, "stack_run": ran} for _ in range(r.nb)]
 

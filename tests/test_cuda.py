@@ -355,13 +355,17 @@ def _item(A, i):
 
 def _check_items(res, W, A_out, A_in, qs, tile, *, engine="cuda", method="antidiagonal",
                  targets=False):
-    """Every item of the stack result equals its own single solve bitwise."""
+    """Every item of the stack result equals its own single solve bitwise (values, codes;
+    targets too, except the wavefront's: its feedback GEMMs of a stack are one batched
+    call over the items, whose sums may differ in the last bit from the single solve's)."""
     for i in range(W.shape[0]):
         one = bakron.solve(W[i], _item(A_out, i), _item(A_in, i), qs[i], tile=tile,
                            engine=engine, method=method, return_targets=targets)
         np.testing.assert_array_equal(res.values[i], one.values, err_msg=f"item {i}")
         np.testing.assert_array_equal(res.codes[i], one.codes, err_msg=f"item {i}")
-        if targets:
+        if targets and method == "wavefront":
+            np.testing.assert_allclose(res.targets[i], one.targets, rtol=1e-12, atol=1e-12)
+        elif targets:
             np.testing.assert_array_equal(res.targets[i], one.targets, err_msg=f"item {i}")
 
 
@@ -415,8 +419,42 @@ def test_sim_stack_chunks_broadcast_w_and_auto():
     assert res.method == "antidiagonal" and res.info["launches"] == 1
     assert nc.stack_method(_ns(m=5, n=6), 5, "auto") == "antidiagonal"
     assert nc.stack_method(_ns(m=5, n=6), 1, "auto") is None  # one item: single rule
-    assert nc.stack_method(_ns(m=4096, n=4096), 64, "auto") is None
+    assert nc.stack_method(_ns(m=4096, n=4096), 64, "auto") == "wavefront"
+    assert nc.stack_method(_ns(m=5, n=6), 5, "recursive") is None  # no stack form
     _check_items(res, np.repeat(W[None], 5, axis=0), AO, AI, qs, (2, 2))
+
+
+@sim_only
+@pytest.mark.parametrize("two_sided,base", [(True, 1), (True, 2), (False, 1)])
+def test_sim_stack_wavefront_batched_gemms(two_sided, base):
+    """The two-level wavefront of a stack: one launch per coarse step over every item's
+    blocks, every feedback GEMM one batched call over the items (ragged tiles, per-item
+    A_out, A_in shared, one-sided with asymmetric grids, targets): equal to the single
+    solves bitwise and to the array-API reference."""
+    W, AO, AI, qs = _stack(6, 3, 9, 7, 2, 3, two_sided=two_sided, shared_in=True,
+                           symmetric=two_sided)
+    res = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="wavefront",
+                       base=base, return_targets=True)
+    assert res.info["stack"]["path"] == "engine solve_stack"
+    assert res.info["stack_run"].startswith("one launch per coarse step for 3 items")
+    one = bakron.solve(W[0], _item(AO, 0), AI, qs[0], tile=(2, 3), engine="cuda",
+                       method="wavefront", base=base)
+    # as many launches and GEMM calls as one item's solve: the items share every call
+    assert (res.info["launches"], res.info["gemms"]) == (one.info["launches"],
+                                                         one.info["gemms"])
+    _check_items(res, W, AO, AI, qs, (2, 3), method="wavefront", targets=True)
+    _check_items(res, W, AO, AI, qs, (2, 3), engine="array_api")
+
+
+@sim_only
+def test_sim_stack_option_off_declines(monkeypatch):
+    """``STACK = False`` (``BAKRON_CUDA_STACK=0``): every stack runs item by item."""
+    from bakron.backends import numba_cuda as nc
+    monkeypatch.setattr(nc, "STACK", False)
+    W, AO, AI, qs = _stack(7, 2, 5, 5, 2, 2)
+    res = bakron.solve(W, AO, AI, qs, tile=2, engine="cuda", method="antidiagonal")
+    assert res.info["stack"]["path"] == "items one by one" and "stack_run" not in res.info
+    _check_items(res, W, AO, AI, qs, (2, 2))
 
 
 @sim_only
@@ -474,3 +512,31 @@ def test_gpu_stack_one_launch_equals_items(two_sided, dtype):
             ref = _ref(W[i], _item(AO, i), AI, qs[i], (16, 16))
             np.testing.assert_array_equal(got[i], ref.values, err_msg=f"item {i}")
     np.testing.assert_array_equal(cp.asnumpy(Wd), W)  # input untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+@pytest.mark.parametrize("two_sided,base", [(True, 2), (True, None), (False, 2)])
+def test_gpu_stack_wavefront_equals_items_float64(two_sided, base):
+    """On the device: the stack's two-level wavefront (batched GEMMs over every item's
+    blocks, per-item A_out and quantizers, A_in shared) equals the single wavefront solves
+    and the CPU reference exactly in float64, with the launches and GEMM calls of one
+    item."""
+    cp = _cp()
+    W, AO, AI, qs = _stack(9, 5, 150, 90, 16, 16, two_sided=two_sided, shared_in=True)
+    Wd, AId = cp.asarray(W), cp.asarray(AI)
+    AOd = None if AO is None else cp.asarray(AO)
+    res = bakron.solve(Wd, AOd, AId, qs, tile=16, engine="cuda", method="wavefront",
+                       base=base)
+    assert res.info["stack"]["path"] == "engine solve_stack"
+    got, codes = cp.asnumpy(res.values), cp.asnumpy(res.codes)
+    for i in range(5):
+        one = bakron.solve(Wd[i], None if AOd is None else AOd[i], AId, qs[i], tile=16,
+                           engine="cuda", method="wavefront", base=base)
+        if i == 0:
+            assert (res.info["launches"], res.info["gemms"]) == (one.info["launches"],
+                                                                 one.info["gemms"])
+        np.testing.assert_array_equal(got[i], cp.asnumpy(one.values), err_msg=f"item {i}")
+        np.testing.assert_array_equal(codes[i], cp.asnumpy(one.codes), err_msg=f"item {i}")
+        ref = _ref(W[i], _item(AO, i), AI, qs[i], (16, 16))
+        np.testing.assert_array_equal(got[i], ref.values, err_msg=f"item {i}")

@@ -18,10 +18,9 @@ Modes (each writes one page into ``--out``, default ``docs/benchmarks``, with it
   on ``t`` threads), the stack on 1 worker and on ``t`` workers (1 thread each), and the floor;
   writes ``stack-threads.md`` (``--label`` names a variant of the engine being measured);
 * ``--gpu``: cupy arrays on the current device (TF32 off unless ``--tf32``): one by one, the
-  stack as the engine runs it (``stack, one launch``: the cuda engine's ``solve_stack``, one
-  launch over every item, when its rule takes the stack) and the stack with the hook
-  declined (``stack, items``: ``method="wavefront"``, what every item's ``auto`` runs, one
-  item after the other), and the floor; writes ``stack-h200.md`` (``--name`` to rename);
+  stack with the cuda engine's stack hook off (``stack, items``: one item after the other)
+  and on (``stack, antidiagonal``, ``stack, wavefront``, ``stack, auto``: every launch over
+  all items), and the floor; writes ``stack-h200.md`` (``--name`` to rename);
 * ``--gpu --suite``: the same for the workloads of ``GPU_SUITE`` (64 × 1024², an MoE block
   128 × 768×2048 and 128 × 2048×768, 64 × 256²) in one process; writes one table,
   ``stack-h200-suite.md``.
@@ -91,16 +90,22 @@ def _entries(xp, W, A_out, A_in, qs, tile, workers_list, engine, gpu=False):
 
     fns = {"floor": floor, "one by one": one_by_one}
     if gpu:
-        def stack_engine():
-            bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine)
-            sync()
+        from bakron.backends import numba_cuda
 
-        def stack_items():  # no stack form of the wavefront: the hook declines
-            bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine,
-                               method="wavefront")
-            sync()
-        fns["stack, items"] = stack_items
-        fns["stack, one launch"] = stack_engine
+        def stack(method, hook=True):
+            def run():
+                before = numba_cuda.STACK
+                numba_cuda.STACK = hook  # the engine's option: off declines every stack
+                try:
+                    bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine,
+                                       method=method)
+                    sync()
+                finally:
+                    numba_cuda.STACK = before
+            return run
+        fns["stack, items"] = stack("auto", hook=False)
+        for method in ("antidiagonal", "wavefront", "auto"):
+            fns[f"stack, {method}"] = stack(method)
         return fns
     if xp is np:
         try:
@@ -187,9 +192,10 @@ def _gpu_suite(args, command) -> int:
     import cupy
 
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    body = ["| workload | one by one | stack, items | stack, one launch | summed floor | "
-            "one launch ÷ one by one | one launch ÷ floor | items ÷ floor | stack ran | "
-            "identical | entries ≠ auto |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    body = ["| workload | one by one | stack, items | stack, antidiagonal | stack, wavefront | "
+            "stack, auto | summed floor | auto ÷ one by one | auto ÷ floor | best stack ÷ "
+            "floor | auto ran | identical | entries ≠ auto |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     raw = {}
     for B, m, n in GPU_SUITE:
         p = run_point(B, m, n, tile=args.tile, bits=args.bits, dtype=args.dtype,
@@ -197,12 +203,14 @@ def _gpu_suite(args, command) -> int:
                       engine=args.engine)
         raw[f"{B}x{m}x{n}"] = p
         med = p["median"]
-        one, items, launch, floor = (med["one by one"], med["stack, items"],
-                                     med["stack, one launch"], med["floor"])
+        one, floor, auto = med["one by one"], med["floor"], med["stack, auto"]
+        best = min(med["stack, antidiagonal"], med["stack, wavefront"], auto)
         ran = p["info"].get("stack_run") or p["stack"]["path"]
-        body.append(f"| {B} × {m}×{n} | {one * 1e3:.1f} ms | {items * 1e3:.1f} ms | "
-                    f"{launch * 1e3:.1f} ms | {floor * 1e3:.2f} ms | {launch / one:.2f}× | "
-                    f"{launch / floor:.2f}× | {items / floor:.2f}× | {p['method']}: {ran} | "
+        ms = " | ".join(f"{med[k] * 1e3:.1f} ms" for k in (
+            "one by one", "stack, items", "stack, antidiagonal", "stack, wavefront",
+            "stack, auto"))
+        body.append(f"| {B} × {m}×{n} | {ms} | {floor * 1e3:.2f} ms | {auto / one:.2f}× | "
+                    f"{auto / floor:.2f}× | {best / floor:.2f}× | {p['method']}: {ran} | "
                     f"{p['identical']} | {p['differ_from_auto']} |")
         print(body[-1], flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
@@ -210,17 +218,20 @@ def _gpu_suite(args, command) -> int:
              f"two-sided, per-item quantizers (cupy, engine {args.engine}, TF32 "
              f"{'on' if args.tf32 else 'off'}).", "", f"Command: `{command}`", "",
              "Entries, medians of interleaved rounds: *one by one*: `bakron.solve` per item "
-             "(method auto); *stack, items*: `bakron.solve` on the stack with "
-             "`method=\"wavefront\"` (the cuda engine has no stack form of it, so the stack "
-             "layer runs the items one after the other: the path before the one-launch "
-             "kernel); *stack, one launch*: `bakron.solve` on the stack, method auto (the "
-             "engine's `solve_stack` when its rule takes the stack); *summed floor*: "
-             "`G_Oᵀ W G_I` of every item. *identical*: every item equals its single solve "
-             "of the method the stack ran, bitwise; *entries ≠ auto*: entries that differ "
-             "from the single solves of method auto (float32 near-ties between methods)."]
-    _write(os.path.join(args.out, (args.name or "stack-h200-suite") + ".md"),
+             "(method auto); *stack, items*: `bakron.solve` on the stack with the cuda "
+             "engine's stack hook off (`STACK = False`: the items one after the other, the "
+             "path before the one-launch kernel); *stack, antidiagonal* / *wavefront*: the "
+             "stack with that method (one launch over every item / per coarse step one "
+             "launch and batched GEMMs over every item); *stack, auto*: what "
+             "`bakron.solve` runs on the stack (`STACK_ANTIDIAGONAL_MAX_MN` decides); "
+             "*summed floor*: `G_Oᵀ W G_I` of every item. *identical*: every item of the "
+             "auto stack equals its single solve of the method the stack ran, bitwise; "
+             "*entries ≠ auto*: entries that differ from the single solves of method auto "
+             "(float32 near-ties between methods)."]
+    name = args.name or "stack-h200-suite"
+    _write(os.path.join(args.out, name + ".md"),
            "Stacks of layers on the GPU: the one-launch path", intro, body)
-    with atomic_path(os.path.join(args.out, (args.name or "stack-h200-suite") + ".json")) as t:
+    with atomic_path(os.path.join(args.out, name + ".json")) as t:
         t.write_text(json.dumps(raw, indent=1, default=str))
     return 0
 
