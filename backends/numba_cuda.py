@@ -59,7 +59,9 @@ from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
                                      RecursionPlan, step_count, step_width, two_level)
 
-from ._cuda_layout import (ASYM, DESC, HAS_F, HAS_T, HAS_YG, P_FLAGS, P_GSZ, P_HI, P_LO, P_M,
+from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_E_OFFSET,
+                           DESC_F_OFFSET, DESC_OUT_OFFSET, DESC_S_OFFSET, DESC_W_OFFSET,
+                           DESC_Z_OFFSET, HAS_F, HAS_T, HAS_YG, P_FLAGS, P_GSZ, P_HI, P_LO, P_M,
                            P_N, P_NBLK, P_NSTEPS, P_PERIOD, P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS,
                            PRM, TWO_SIDED, block_row)
 
@@ -751,9 +753,25 @@ class _StackSolve(_DeviceSolve):
         s_size = 0 if shared else self.s_shape[0] * self.s_shape[1]
         z_size = 0 if shared else self.z_shape[0] * self.z_shape[1]
         mn = m * n
-        self.rows = [dict(w=int(w_row[j]) * mn, out=int(items[j]) * mn, e=j * mn,
-                          ao=int(ao_row[j]) * m * m, ai=int(ai_row[j]) * n * n,
-                          s=j * s_size, z=j * z_size) for j in range(nb)]
+        # each item's offsets as descriptor fields (the tile ranges and F left 0)
+        j = np.arange(nb, dtype=np.int64)
+        off = np.zeros((nb, DESC), dtype=np.int64)
+        off[:, DESC_W_OFFSET] = np.asarray(w_row, dtype=np.int64) * mn
+        off[:, DESC_OUT_OFFSET] = items * mn
+        off[:, DESC_E_OFFSET] = j * mn
+        off[:, DESC_AO_OFFSET] = np.asarray(ao_row, dtype=np.int64) * m * m
+        off[:, DESC_AI_OFFSET] = np.asarray(ai_row, dtype=np.int64) * n * n
+        off[:, DESC_S_OFFSET] = j * s_size
+        off[:, DESC_Z_OFFSET] = j * z_size
+        self.item_desc = off
+
+    def blocks(self, rows: np.ndarray, f_stride: int) -> np.ndarray:
+        """The descriptors of one item's blocks ``rows`` (k, DESC) for every item, item after
+        item (nb k, DESC): the item's offsets added, its ``F`` region ``f_stride`` further."""
+        d = np.repeat(self.item_desc[:, None, :], len(rows), axis=1)
+        d[:, :, :DESC_W_OFFSET] = rows[None, :, :DESC_W_OFFSET]
+        d[:, :, DESC_F_OFFSET] += np.arange(self.nb, dtype=np.int64)[:, None] * f_stride
+        return d.reshape(-1, DESC)
 
 
 def _stack_antidiagonal(r: _StackSolve) -> str:
@@ -763,8 +781,8 @@ def _stack_antidiagonal(r: _StackSolve) -> str:
     mod = r.mod
     two = p.two_sided
     mn = p.m * p.n
-    desc = r.device_table(np.array([block_row(0, p.M, 0, p.N, row["e"], p.n, **row)
-                                    for row in r.rows], dtype=np.int64).reshape(-1))
+    one = np.array([block_row(0, p.M, 0, p.N, 0, p.n)], dtype=np.int64)
+    desc = r.device_table(r.blocks(one, mn).reshape(-1))
     r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
     Y = mod.empty((r.nb * mn,), dtype=p.W.dtype)  # each item's local accumulator G_O^T Ẽ
     nsteps = step_count(p.M, p.N, two)
@@ -781,19 +799,15 @@ class _StackWavePlan:
 
     def __init__(self, r: "_StackSolve", plan: _WavePlan):
         nb, mn, fb = r.nb, r.m * r.n, plan.fb_size
-        rows = r.rows
-        item_off = {"Yg": [j * mn for j in range(nb)], "E": [j * mn for j in range(nb)],
-                    "Fb": [j * fb for j in range(nb)], "AI": [rw["ai"] for rw in rows],
-                    "AO": [rw["ao"] for rw in rows]}
+        j = np.arange(nb, dtype=np.int64)
+        item_off = {"Yg": j * mn, "E": j * mn, "Fb": j * fb,
+                    "AI": r.item_desc[:, DESC_AI_OFFSET], "AO": r.item_desc[:, DESC_AO_OFFSET]}
         self.fb_size = fb
-        desc, steps = [], []
+        desc, steps, first = [], [], 0
         for start, k, nsteps, grid, flags, before, after in plan.steps:
-            first = len(desc)
-            for j, rw in enumerate(rows):
-                for d in plan.desc_rows[start:start + k]:
-                    desc.append(block_row(*(int(v) for v in d[:4]), int(d[4]) + j * fb,
-                                          int(d[5]), **rw))
+            desc.append(r.blocks(plan.desc_rows[start:start + k], fb))
             steps.append((first, k * nb, nsteps, grid * nb, flags, before, after, k))
+            first += k * nb
         self.steps = steps
         self.ops = []
         kb = max([op[11] for op in plan.ops] + [1]) * nb
@@ -808,7 +822,7 @@ class _StackWavePlan:
         self.offs = offs
         self.bidx = plan.bidx
         self.batched = any(op[11] > 1 for op in self.ops)
-        self.desc = r.device_table(np.array(desc, dtype=np.int64).reshape(-1))
+        self.desc = r.device_table(np.concatenate(desc).reshape(-1))
         if not SIM and self.batched:
             self.offs_dev = r.device_table(offs)
             self.bidx_dev = r.device_table(self.bidx)
@@ -820,7 +834,9 @@ def _stack_wavefront(r: "_StackSolve", cs: int) -> str:
     p = r.p
     mod = r.mod
     plan = _cached(_key(r, "wavefront", cs), lambda: _WavePlan(r, cs))
-    sp = _StackWavePlan(r, plan)
+    # the stack plan depends on the items' offsets too: cached for repeated stacks alike
+    sp = _cached(_key(r, "wavefront", cs) + (r.item_desc.tobytes(),),
+                 lambda: _StackWavePlan(r, plan))
     mn = p.m * p.n
     r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
     Yg = mod.zeros((r.nb * mn,), dtype=p.W.dtype) if p.two_sided else None
