@@ -29,6 +29,16 @@ kernel and ``bakron/solvers/schedule.py`` for the schedules it executes):
 Which one is fastest is measured (``python -m bakron.bench_gpu``, docs/benchmarks/h200.md) and
 ``method="auto"`` follows those measurements.
 
+Stacks (``solve_stack``, the hook of ``bakron.solvers.stack``; docs/stacks.md): the items of a
+stack chunk run ONE schedule together. Every launch covers the blocks of all items (each
+block descriptor carries its item's offsets into the stacked arrays, ``_cuda_layout``) and
+every feedback GEMM is one batched cuBLAS call over the items (a shared factor: the same
+pointer for every item). ``antidiagonal``: one launch for the whole chunk, ``M + N - 1``
+steps, each over every item's tiles; ``wavefront``: per coarse step batched GEMMs, one
+launch, batched GEMMs, for all items. The recursion has no stack form (its chunks run item by
+item). Extra memory: ``E`` and the accumulator per item (``2 m n``), plus one coarse diagonal
+of base targets for the wavefront.
+
 Memory beyond the inputs, the factors and the outputs (``Ŵ``, int16 codes): ``E`` (m n) plus
 ``Yg`` (m n) for the wavefront, ``F`` (m n) for the recursion, a scratch (m n) for the
 anti-diagonal; the wavefront adds one coarse diagonal of base targets (at most
