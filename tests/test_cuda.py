@@ -540,3 +540,34 @@ def test_gpu_stack_wavefront_equals_items_float64(two_sided, base):
         np.testing.assert_array_equal(codes[i], cp.asnumpy(one.codes), err_msg=f"item {i}")
         ref = _ref(W[i], _item(AO, i), AI, qs[i], (16, 16))
         np.testing.assert_array_equal(got[i], ref.values, err_msg=f"item {i}")
+
+
+@sim_only
+def test_sim_bench_stack_gpu_suite(tmp_path, monkeypatch):
+    """``python -m bakron.bench_stack --gpu --suite`` end to end on tiny workloads in the
+    simulator (numpy standing in for cupy): one row per workload with every entry, the stack
+    form of auto, the bitwise identity with the single solves, the page and its raw JSON."""
+    import json
+    import types
+
+    from bakron.benchmarks import stack as bench
+
+    rt = types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"simulator"})
+    fake = types.ModuleType("cupy")
+    fake.asarray, fake.all, fake.sum, fake.eye = np.asarray, np.all, np.sum, np.eye
+    fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(bench, "GPU_SUITE", ((2, 5, 4), (2, 4, 6)))
+    # sync() of the entries waits on cupy's stream: give the stand-in one
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    fake.cuda = types.SimpleNamespace(runtime=rt, get_current_stream=lambda: stream)
+    assert bench.main(["--gpu", "--suite", "--tile", "2", "--repeats", "1", "--dtype",
+                       "float64", "--engine", "cuda", "--out", str(tmp_path)]) == 0
+    page = (tmp_path / "stack-h200-suite.md").read_text()
+    rows = [ln for ln in page.splitlines() if ln.startswith("| 2 × ")]
+    assert len(rows) == 2 and all(r.endswith("| True | 0 |") for r in rows)
+    assert "antidiagonal: one launch for 2 items" in rows[0]
+    raw = json.loads((tmp_path / "stack-h200-suite.json").read_text())
+    assert set(raw["2x5x4"]["median"]) == {"floor", "one by one", "stack, items",
+                                           "stack, antidiagonal", "stack, wavefront",
+                                           "stack, auto"}
