@@ -164,8 +164,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
         hi = dt(hi_i)
         zero = dt(0.0)
         for g in range(nsteps):
-            # tiles of this step over all blocks
-            # tiles of this step: the blocks repeat the tile ranges of the first ``period``
+            # tiles of this step over all blocks: the blocks repeat the tile ranges of the first ``period``
             # (a stack: one period per item), so count one period and multiply
             per = 0
             for bi in range(period):
