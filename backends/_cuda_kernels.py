@@ -6,12 +6,16 @@ Imported only by :mod:`bakron.backends.numba_cuda` (which imports ``numba.cuda``
 What one launch does
 --------------------
 ``nblk`` independent blocks of tiles (descriptors in ``desc``, ``DESC`` int64 each with the
-fields of ``_cuda_layout``: ``ra, rb, ca, cb`` tile ranges, ``f_off, f_ld`` where the block's
-base offsets / local accumulator live). Step ``g = 0, 1, ...`` handles local anti-diagonal
-``Mb + Nb - 2 - g`` of every block (two-sided) or tile column ``Nb - 1 - g`` (one-sided); all the
-tiles of a step, over all blocks, are spread over the CTAs of the grid (one 16 x 16 tile per CTA
-at a time, one thread per element), and ``this_grid().sync()`` separates the steps. So a block's
-whole wavefront, and a whole phase of independent blocks, is one launch.
+fields ``DESC_*`` of ``_cuda_layout``: ``ra, rb, ca, cb`` tile ranges, ``f_off, f_ld`` where the
+block's base offsets / local accumulator live, and where its item's arrays start, so that one
+launch can mix the items of a stack). The scalars of the launch (sizes, steps, flags, the
+quantizer's grid) come in one int64 launch descriptor ``prm`` (fields ``P_*``).
+Step ``g = 0, 1, ...`` handles local anti-diagonal ``Mb + Nb - 2 - g`` of every block
+(two-sided) or tile column ``Nb - 1 - g`` (one-sided); all the tiles of a step, over all
+blocks, are spread over the CTAs of the grid (one 16 x 16 tile per CTA at a time, one thread
+per element), and ``this_grid().sync()`` separates the steps. So a block's whole wavefront, a
+whole phase of independent blocks, and the whole anti-diagonal of every item of a stack, is
+one launch.
 
 The target of tile (a, b) of a block with rows [R0, R1) and columns [C0, C1) (the rounding rule
 of docs/algorithm.md in the block-local accumulator form) is::
@@ -41,10 +45,35 @@ import math
 
 from numba import cuda, types  # this module is imported lazily, by numba_cuda only
 
-from ._cuda_layout import (ASYM, DESC, DESC_CA, DESC_CB, DESC_F_LD, DESC_F_OFFSET, DESC_RA,
-                           DESC_RB, HAS_F, HAS_T, HAS_YG, TWO_SIDED)
+from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_CA, DESC_CB,
+                           DESC_E_OFFSET, DESC_F_LD, DESC_F_OFFSET, DESC_OUT_OFFSET, DESC_RA,
+                           DESC_RB, DESC_S_OFFSET, DESC_W_OFFSET, DESC_Z_OFFSET, HAS_F, HAS_T,
+                           HAS_YG, P_FLAGS, P_GSZ, P_HI, P_LO, P_M, P_N, P_NBLK, P_NSTEPS,
+                           P_PERIOD, P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS, TWO_SIDED)
 
 _CACHE: dict = {}
+
+
+@cuda.jit(device=True)
+def _step_tiles(Mb, Nb, g, two):
+    """The tiles of step ``g`` of the tile wavefront over an ``Mb x Nb`` block
+    (``bakron.solvers.schedule.tile_wavefront``): ``(count, alo, s)``. Two-sided: the
+    anti-diagonal ``s = Mb + Nb - 2 - g``, rows ``alo .. alo + count - 1``; one-sided: tile
+    column ``Nb - 1 - g``, all ``Mb`` row tiles (``count`` 0 once the block is done)."""
+    if two:
+        s = Mb + Nb - 2 - g
+        if s < 0:
+            return 0, 0, s
+        alo = s - Nb + 1
+        if alo < 0:
+            alo = 0
+        ahi = s
+        if ahi > Mb - 1:
+            ahi = Mb - 1
+        return ahi - alo + 1, alo, s
+    if g < Nb:
+        return Mb, 0, 0
+    return 0, 0, 0
 
 
 def threads_for(tx: int, ty: int) -> int:
@@ -85,22 +114,35 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
     RX = (KTX + NT - 1) // NT
     RY = (KTY + NT - 1) // NT
 
-    def block_kernel(W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc,
-                     m, n, nblk, nsteps, flags, s_rows, s_cols, z_rows, z_cols, gsz,
-                     lo_i, hi_i):
-        """Solve ``nblk`` blocks. Arguments, in four groups (flat row-major arrays):
+    def block_kernel(W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, prm):
+        """Solve ``prm[P_NBLK]`` blocks. Arguments (flat row-major arrays):
 
         * the problem: ``W`` (m x n), ``AO`` (m x m; unused one-sided), ``AI`` (n x n);
         * the buffers: ``F`` (offsets, then each block's local accumulator; where a block's
           live is in its descriptor), ``E`` (errors, m x n), ``Yg`` (the two-level wavefront's
           global accumulator, used with ``HAS_YG``), the outputs ``Wq``, ``codes``, ``T``
           (targets, with ``HAS_T``);
-        * the schedule: ``desc`` (``nblk`` descriptors of ``DESC`` fields), ``m``, ``n``,
-          ``nblk``, ``nsteps`` (grid-synchronised steps of this launch), ``flags``;
-        * the grid of the quantizer: scales ``S`` (``s_rows`` x ``s_cols``), zero points ``Z``
-          (``z_rows`` x ``z_cols``, with ``ASYM``), the group size ``gsz`` and the code range
-          ``lo_i``..``hi_i``.
+        * the grid of the quantizer: scales ``S``, zero points ``Z`` (with ``ASYM``);
+        * the schedule: ``desc`` (``DESC`` fields per block, ``_cuda_layout.DESC_*``) and the
+          launch descriptor ``prm`` (``_cuda_layout.P_*``: sizes, steps, flags, the shapes of
+          the quantizer's tables, its group size and code range).
+
+        In a stack (docs/stacks.md) the arrays hold several items: each block's descriptor
+        says where its item starts in every array, so one launch mixes items.
         """
+        m = prm[P_M]
+        n = prm[P_N]
+        nblk = prm[P_NBLK]
+        nsteps = prm[P_NSTEPS]
+        flags = prm[P_FLAGS]
+        s_rows = prm[P_S_ROWS]
+        s_cols = prm[P_S_COLS]
+        z_rows = prm[P_Z_ROWS]
+        z_cols = prm[P_Z_COLS]
+        gsz = prm[P_GSZ]
+        lo_i = prm[P_LO]
+        hi_i = prm[P_HI]
+        period = prm[P_PERIOD]
         sAO = cuda.shared.array((KC, TX), dt)
         sE = cuda.shared.array((KC, TY), dt)
         sY = cuda.shared.array((TX, KC), dt)
@@ -122,74 +164,52 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
         hi = dt(hi_i)
         zero = dt(0.0)
         for g in range(nsteps):
-            # tiles of this step over all blocks
-            total = 0
-            for bi in range(nblk):
-                ra = desc[bi * DESC + DESC_RA]
-                rb = desc[bi * DESC + DESC_RB]
-                ca = desc[bi * DESC + DESC_CA]
-                cb = desc[bi * DESC + DESC_CB]
-                Mb = rb - ra
-                Nb = cb - ca
-                if two:
-                    s = Mb + Nb - 2 - g
-                    if s >= 0:
-                        alo = s - Nb + 1
-                        if alo < 0:
-                            alo = 0
-                        ahi = s
-                        if ahi > Mb - 1:
-                            ahi = Mb - 1
-                        total += ahi - alo + 1
-                else:
-                    if g < Nb:
-                        total += Mb
+            # tiles of this step over all blocks: the blocks repeat the tile ranges of the first ``period``
+            # (a stack: one period per item), so count one period and multiply
+            per = 0
+            for bi in range(period):
+                d = bi * DESC
+                cnt, alo, s = _step_tiles(desc[d + DESC_RB] - desc[d + DESC_RA],
+                                          desc[d + DESC_CB] - desc[d + DESC_CA], g, two)
+                per += cnt
+            total = (nblk // period) * per
             w = cuda.blockIdx.x
             while w < total:
-                # locate item w: block bi, tile (a, b)
-                rem = w
-                a = 0
-                b = 0
-                ra = 0
-                rb = 0
-                ca = 0
-                cb = 0
-                f_off = 0
-                f_ld = 0
-                for bi in range(nblk):
-                    ra = desc[bi * DESC + DESC_RA]
-                    rb = desc[bi * DESC + DESC_RB]
-                    ca = desc[bi * DESC + DESC_CA]
-                    cb = desc[bi * DESC + DESC_CB]
-                    Mb = rb - ra
-                    Nb = cb - ca
-                    cnt = 0
-                    alo = 0
-                    s = 0
-                    if two:
-                        s = Mb + Nb - 2 - g
-                        if s >= 0:
-                            alo = s - Nb + 1
-                            if alo < 0:
-                                alo = 0
-                            ahi = s
-                            if ahi > Mb - 1:
-                                ahi = Mb - 1
-                            cnt = ahi - alo + 1
-                    else:
-                        if g < Nb:
-                            cnt = Mb
+                # locate work item w: period rep, block bi of the period, its rem-th tile
+                rep = w // per
+                rem = w - rep * per
+                bi = 0
+                alo = 0
+                s = 0
+                while bi < period:
+                    d = bi * DESC
+                    cnt, alo, s = _step_tiles(desc[d + DESC_RB] - desc[d + DESC_RA],
+                                              desc[d + DESC_CB] - desc[d + DESC_CA], g, two)
                     if rem < cnt:
-                        f_off = desc[bi * DESC + DESC_F_OFFSET]
-                        f_ld = desc[bi * DESC + DESC_F_LD]
-                        if two:
-                            a = ra + alo + rem
-                            b = ca + (s - (alo + rem))
-                        else:
-                            a = ra + rem
-                            b = ca + (Nb - 1 - g)
                         break
                     rem -= cnt
+                    bi += 1
+                bi += rep * period
+                d = bi * DESC
+                ra = desc[d + DESC_RA]
+                rb = desc[d + DESC_RB]
+                ca = desc[d + DESC_CA]
+                cb = desc[d + DESC_CB]
+                f_off = desc[d + DESC_F_OFFSET]
+                f_ld = desc[d + DESC_F_LD]
+                w_off = desc[d + DESC_W_OFFSET]
+                o_off = desc[d + DESC_OUT_OFFSET]
+                e_off = desc[d + DESC_E_OFFSET]
+                ao_off = desc[d + DESC_AO_OFFSET]
+                ai_off = desc[d + DESC_AI_OFFSET]
+                s_off = desc[d + DESC_S_OFFSET]
+                z_off = desc[d + DESC_Z_OFFSET]
+                if two:  # tile rem of the block's anti-diagonal s (top row first)
+                    a = ra + alo + rem
+                    b = ca + (s - (alo + rem))
+                else:  # row tile rem of the block's column Nb - 1 - g
+                    a = ra + rem
+                    b = ca + (cb - ca - 1 - g)
                 R0 = ra * TX
                 R1 = rb * TX
                 if R1 > m:
@@ -241,7 +261,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
                             kk = idx // TX
                             ii = idx - kk * TX
                             if kk < kc and ii < hx:
-                                va = AO[(k0 + kk) * m + i0 + ii]
+                                va = AO[ao_off + (k0 + kk) * m + i0 + ii]
                             ii2 = idx // KC
                             kk2 = idx - ii2 * KC
                             if ii2 < hx and kk2 < lc:
@@ -257,9 +277,9 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
                             jj = idx - kk * TY
                             if jj < hy:
                                 if kk < kc:
-                                    ve = E[(k0 + kk) * n + j0 + jj]
+                                    ve = E[e_off + (k0 + kk) * n + j0 + jj]
                                 if kk < lc:
-                                    vi = AI[(l0 + kk) * n + j0 + jj]
+                                    vi = AI[ai_off + (l0 + kk) * n + j0 + jj]
                         pe[r] = ve
                         pi[r] = vi
                     for r in range(RX):
@@ -303,22 +323,22 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
                             j = j0 + jj
                             gi = i * n + j
                             fi = f_off + (i - R0) * f_ld + (j - C0)
-                            w_ = W[gi]
+                            w_ = W[w_off + gi]
                             t = w_
                             if has_f:
                                 t += F[fi]
                             if has_yg:
-                                t += Yg[gi]
+                                t += Yg[e_off + gi]
                             t += accp[e]
                             t += acct[e]
                             if has_t:
-                                T[gi] = t
+                                T[o_off + gi] = t
                             si = 0
                             if s_rows > 1:
                                 si = i * s_cols
                             if s_cols > 1:
                                 si += j // gsz
-                            sc = S[si]
+                            sc = S[s_off + si]
                             q = dt(round(t / sc))
                             if asym:
                                 zi = 0
@@ -326,7 +346,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
                                     zi = i * z_cols
                                 if z_cols > 1:
                                     zi += j // gsz
-                                zp = Z[zi]
+                                zp = Z[z_off + zi]
                                 cq = q + zp
                                 if cq < lo:
                                     cq = lo
@@ -341,19 +361,19 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
                                     cq = hi
                                 val = sc * cq
                             err = w_ - val
-                            Wq[gi] = val
-                            codes[gi] = i16(cq)
-                            E[gi] = err
+                            Wq[o_off + gi] = val
+                            codes[o_off + gi] = i16(cq)
+                            E[e_off + gi] = err
                             F[fi] = accp[e] + err
                             if has_yg:
-                                Yg[gi] += err
+                                Yg[e_off + gi] += err
                 w += cuda.gridDim.x
             grid.sync()
 
     if mode == "ptr":
         P = types.CPointer(dt)
-        sig = (P, P, P, P, P, P, P, types.CPointer(types.int16), P, P, P,
-               types.CPointer(types.int64)) + (types.int64,) * 12
+        I64 = types.CPointer(types.int64)
+        sig = (P, P, P, P, P, P, P, types.CPointer(types.int16), P, P, P, I64, I64)
         opts = {"max_registers": int(maxreg)} if maxreg else {}
         disp = cuda.jit(sig, **opts)(block_kernel)
     else:

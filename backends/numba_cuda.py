@@ -29,6 +29,16 @@ kernel and ``bakron/solvers/schedule.py`` for the schedules it executes):
 Which one is fastest is measured (``python -m bakron.bench_gpu``, docs/benchmarks/h200.md) and
 ``method="auto"`` follows those measurements.
 
+Stacks (``solve_stack``, the hook of ``bakron.solvers.stack``; docs/stacks.md): the items of a
+stack chunk run ONE schedule together. Every launch covers the blocks of all items (each
+block descriptor carries its item's offsets into the stacked arrays, ``_cuda_layout``) and
+every feedback GEMM is one batched cuBLAS call over the items (a shared factor: the same
+pointer for every item). ``antidiagonal``: one launch for the whole chunk, ``M + N - 1``
+steps, each over every item's tiles; ``wavefront``: per coarse step batched GEMMs, one
+launch, batched GEMMs, for all items. The recursion has no stack form (its chunks run item by
+item). Extra memory: ``E`` and the accumulator per item (``2 m n``), plus one coarse diagonal
+of base targets for the wavefront.
+
 Memory beyond the inputs, the factors and the outputs (``Ŵ``, int16 codes): ``E`` (m n) plus
 ``Yg`` (m n) for the wavefront, ``F`` (m n) for the recursion, a scratch (m n) for the
 anti-diagonal; the wavefront adds one coarse diagonal of base targets (at most
@@ -42,6 +52,9 @@ Options (module attributes, or environment variables read at import):
   256 threads per SM at 128); 0 leaves it to the compiler.
 * ``LAUNCH`` (``BAKRON_CUDA_LAUNCH``, ``ptr`` or ``array``): pass raw device pointers to the
   kernel (no wrapping per launch) or wrapped 1-D arrays (``cuda.as_cuda_array``; slower).
+* ``STACK`` (``BAKRON_CUDA_STACK``, default 1): the stack hook ``solve_stack`` (every launch
+  and GEMM covers all items of a stack chunk, docs/stacks.md); 0 declines every stack, so
+  the stack layer solves the items one by one (what the benchmark compares against).
 """
 from __future__ import annotations
 
@@ -50,17 +63,22 @@ import os
 import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "warm_up",
-           "DEFAULT_BASE"]
+           "DEFAULT_BASE", "solve_stack", "stack_method"]
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
                                      RecursionPlan, step_count, step_width, two_level)
 
-from ._cuda_layout import DESC, HAS_F, HAS_T, HAS_YG, TWO_SIDED, ASYM
+from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_E_OFFSET,
+                           DESC_F_OFFSET, DESC_OUT_OFFSET, DESC_S_OFFSET, DESC_W_OFFSET,
+                           DESC_Z_OFFSET, HAS_F, HAS_T, HAS_YG, P_FLAGS, P_GSZ, P_HI, P_LO, P_M,
+                           P_N, P_NBLK, P_NSTEPS, P_PERIOD, P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS,
+                           PRM, TWO_SIDED, block_row)
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 TF32 = os.environ.get("BAKRON_CUDA_TF32", "0") == "1"
 MAXREG = int(os.environ.get("BAKRON_CUDA_MAXREG", "128"))
+STACK = os.environ.get("BAKRON_CUDA_STACK", "1") == "1"
 LAUNCH = os.environ.get("BAKRON_CUDA_LAUNCH", "array" if SIM else "ptr")
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
@@ -76,6 +94,8 @@ CAPABILITIES = Capabilities(methods=("antidiagonal", "wavefront", "recursive"),
 
 _STREAMS: dict = {}
 _MAXGRID: dict = {}
+_PARAMS: dict = {}   # launch descriptors on the device, oldest first
+_PARAMS_MAX = 4096
 
 
 def _cuda():
@@ -114,28 +134,33 @@ class _DeviceSolve:
     output arrays of this solve."""
 
     def __init__(self, p):
-        self.p = p
-        if SIM:
-            self.mod = np
-        else:
-            import cupy
-            self.mod = cupy
+        self._setup(p)
         mod = self.mod
-        self.dtname = str(p.dtype)
-        self.isz = 4 if self.dtname == "float32" else 8
-        self.m, self.n = p.m, p.n
         self.W = mod.ascontiguousarray(p.W)
         self.AI = mod.ascontiguousarray(p.A_I)
         self.AO = mod.ascontiguousarray(p.A_O) if p.two_sided else None
         self.Wq = mod.empty((p.m, p.n), dtype=p.W.dtype)
         self.codes = mod.empty((p.m, p.n), dtype=mod.int16)
         self.T = mod.empty((p.m, p.n), dtype=p.W.dtype) if p.record_targets else None
-        q = p.quantizer
-        s_tab, z_tab = q.tables(p.xp, p.device, p.dtype)
+        s_tab, z_tab = p.quantizer.tables(p.xp, p.device, p.dtype)
         self.S = mod.ascontiguousarray(s_tab)
         self.Z = None if z_tab is None else mod.ascontiguousarray(z_tab)
         self.s_shape = tuple(int(v) for v in self.S.shape)
         self.z_shape = (1, 1) if self.Z is None else tuple(int(v) for v in self.Z.shape)
+
+    def _setup(self, p):
+        """What does not depend on the arrays: sizes, the quantizer's kind, the kernel, the
+        stream (``p``'s quantizer stands for every item of a stack)."""
+        self.p = p
+        if SIM:
+            self.mod = np
+        else:
+            import cupy
+            self.mod = cupy
+        self.dtname = str(p.dtype)
+        self.isz = 4 if self.dtname == "float32" else 8
+        self.m, self.n = p.m, p.n
+        q = p.quantizer
         self.gsz = int(q.group_size or 1)
         self.lo, self.hi = q.code_range
         self.flags0 = ((TWO_SIDED if p.two_sided else 0) | (0 if q.symmetric else ASYM)
@@ -186,26 +211,49 @@ class _DeviceSolve:
             hit = self._wrapped[key] = (_cuda().as_cuda_array(x.reshape(-1), sync=False), x)
         return hit[0]
 
+    def params(self, nblk: int, nsteps: int, flags: int, period: int = 0):
+        """The launch descriptor (``_cuda_layout.P_*``) of a launch of ``nblk`` blocks (the
+        tile ranges of the first ``period`` repeating; 0: no repetition) and ``nsteps``
+        steps, on the device. Each distinct one is uploaded once and cached (a
+        plan has a few kinds of launch), so repeated solves copy nothing to the device."""
+        prm = np.zeros(PRM, dtype=np.int64)
+        prm[P_M], prm[P_N], prm[P_NBLK], prm[P_NSTEPS] = self.m, self.n, nblk, nsteps
+        prm[P_FLAGS] = flags | self.flags0
+        prm[P_S_ROWS], prm[P_S_COLS] = self.s_shape
+        prm[P_Z_ROWS], prm[P_Z_COLS] = self.z_shape
+        prm[P_GSZ], prm[P_LO], prm[P_HI] = self.gsz, self.lo, self.hi
+        prm[P_PERIOD] = period if period else max(1, nblk)
+        if SIM:
+            return prm
+        key = (self.dev, prm.tobytes())
+        hit = _PARAMS.get(key)
+        if hit is None:
+            hit = _PARAMS[key] = self.device_table(prm)
+            while len(_PARAMS) > _PARAMS_MAX:
+                _PARAMS.pop(next(iter(_PARAMS)))
+        return hit
+
     def launch(self, desc, first: int, nblk: int, nsteps: int, grid: int, flags: int,
-               F, Yg=None):
-        """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``)."""
+               F, Yg=None, period: int = 0):
+        """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``; the
+        tile ranges of the first ``period`` repeat, see ``params``)."""
         p = self.p
         W = self.W
+        prm = self.params(nblk, nsteps, flags, period)
         if SIM:
             dsc = desc[first * DESC:]
         elif LAUNCH == "ptr":
             dsc = int(desc.data.ptr) + first * DESC * 8
+            prm = int(prm.data.ptr)
         else:
             dsc = self._arg(desc)[first * DESC:]
+            prm = self._arg(prm)
         a = self._arg
         problem = (a(W), a(self.AO if self.AO is not None else W), a(self.AI))
         buffers = (a(F), a(self.E), a(Yg if Yg is not None else W), a(self.Wq), a(self.codes),
                    a(self.T if self.T is not None else W))
-        schedule = (dsc, self.m, self.n, nblk, nsteps, flags | self.flags0)
-        quant_grid = (a(self.S), a(self.Z if self.Z is not None else self.S),
-                      self.s_shape[0], self.s_shape[1], self.z_shape[0], self.z_shape[1],
-                      self.gsz, self.lo, self.hi)
-        args = _kernel_order(problem, buffers, schedule, quant_grid)
+        quant_grid = (a(self.S), a(self.Z if self.Z is not None else self.S))
+        args = _kernel_order(problem, buffers, quant_grid, (dsc, prm))
         grid = max(1, min(grid, self.max_grid()))
         self.launches += 1
         if SIM:
@@ -224,7 +272,7 @@ class _DeviceSolve:
                     self.kernel, self.nt = _kernels().make_kernel(
                         self.dtname, p.tx, p.ty, "array", MAXREG)
                     self.launches -= 1
-                    return self.launch(desc, first, nblk, nsteps, grid, flags, F, Yg)
+                    return self.launch(desc, first, nblk, nsteps, grid, flags, F, Yg, period)
             else:
                 self.kernel[grid, self.nt, self.nstream](*args)
 
@@ -366,15 +414,14 @@ def _strided(buf, off, shape, ld):
     return np.lib.stride_tricks.as_strided(flat[off:], shape=shape, strides=(ld * isz, isz))
 
 
-def _kernel_order(problem, buffers, schedule, quant_grid) -> tuple:
+def _kernel_order(problem, buffers, quant_grid, schedule) -> tuple:
     """The kernel's positional arguments from its four groups (``_cuda_kernels.make_kernel``:
-    ``W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, m, n, nblk, nsteps, flags, s_rows,
-    s_cols, z_rows, z_cols, gsz, lo, hi``)."""
+    ``W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, prm``)."""
     W, AO, AI = problem
     F, E, Yg, Wq, codes, T = buffers
-    S, Z, s_rows, s_cols, z_rows, z_cols, gsz, lo, hi = quant_grid
-    return (W, AO, AI, F, E, Yg, Wq, codes, S, Z, T) + tuple(schedule) + (
-        s_rows, s_cols, z_rows, z_cols, gsz, lo, hi)
+    S, Z = quant_grid
+    desc, prm = schedule
+    return (W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, prm)
 
 
 def _fallback_to_arrays(exc) -> None:
@@ -433,7 +480,7 @@ def _antidiagonal(r: _DeviceSolve) -> None:
     mod = r.mod
     two = p.two_sided
     desc = _cached(_key(r, "antidiagonal", 0), lambda: r.device_table(
-        np.array([0, p.M, 0, p.N, 0, p.n], dtype=np.int64)))
+        np.array(block_row(0, p.M, 0, p.N, 0, p.n), dtype=np.int64)))
     r.E = mod.empty((p.m, p.n), dtype=p.W.dtype)
     Y = mod.empty((p.m, p.n), dtype=p.W.dtype)  # the local accumulator G_O^T Ẽ
     r.launch(desc, 0, 1, step_count(p.M, p.N, two), step_width(p.M, p.N, two), 0, Y)
@@ -486,7 +533,7 @@ class _WavePlan:
             start = len(desc_rows)
             for j, b in enumerate(step.blocks):
                 f_off = j * Sr * Sc if two else R[b.ra] * Sc
-                desc_rows.append([b.ra, b.rb, b.ca, b.cb, f_off, Sc])
+                desc_rows.append(block_row(b.ra, b.rb, b.ca, b.cb, f_off, Sc))
             if step.scatter:
                 # push the errors: Yg[0:Rg, cols] += A_O[rows, 0:Rg]^T E_block (A_O is zero
                 # right of a block's rows, so the group's lowest block sets Rg); the kernel
@@ -512,7 +559,8 @@ class _WavePlan:
         self.offs = offs
         self.bidx = bidx
         self.batched = any(op[11] > 1 for op in ops)
-        self.desc = r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1))
+        self.desc_rows = np.array(desc_rows, dtype=np.int64).reshape(-1, DESC)
+        self.desc = r.device_table(self.desc_rows.reshape(-1))
         if not SIM and self.batched:
             self.offs_dev = r.device_table(offs)
             self.bidx_dev = r.device_table(bidx)
@@ -574,7 +622,7 @@ def _recursive(r: _DeviceSolve, base: int) -> None:
                 continue
             start = len(desc_rows)
             for b in what:
-                desc_rows.append([b.ra, b.rb, b.ca, b.cb, R[b.ra] * n + C[b.ca], n])
+                desc_rows.append(block_row(b.ra, b.rb, b.ca, b.cb, R[b.ra] * n + C[b.ca], n))
             program.append((kind, (start, len(what),
                                    max(step_count(*b.shape, two) for b in what),
                                    sum(step_width(*b.shape, two) for b in what))))
@@ -657,6 +705,245 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
         _recursive(r, max(1, int(base)))
     return EngineResult(values=r.Wq, codes=r.codes, targets=r.T,
                         info={"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms})
+
+
+# ------------------------------------------------------------------------------------------
+# stacks: the items of a chunk advance together (docs/stacks.md)
+# ------------------------------------------------------------------------------------------
+
+#: ``method="auto"`` on a stack: the one-launch anti-diagonal over all items of a chunk when
+#: a matrix has at most this many elements; larger layers fill the GPU alone, their chunks
+#: are declined and every item runs its own ``auto_method``. An estimate from the
+#: single-layer times of docs/benchmarks/h200.md (the anti-diagonal's work per item is about
+#: half a floor product; the wavefront wins once one item fills the grid), to be replaced
+#: by the stack measurements (``python -m bakron.bench_stack --gpu --suite``).
+STACK_ANTIDIAGONAL_MAX_MN = 2048 * 2048
+#: ... and when the stack has at least this many items (one item: the single-layer rule)
+STACK_MIN_ITEMS = 2
+
+
+class _StackSolve(_DeviceSolve):
+    """One launch context for items ``[start, stop)`` of a stack chunk: the kernel's arrays
+    hold every item (inputs as the stack layer flattened them, the chunk's outputs in place,
+    ``E`` and the accumulator per item), and each block descriptor says where its item
+    starts in each (``_cuda_layout.block_row``)."""
+
+    def __init__(self, chunk, p, tables):
+        self._setup(p)
+        mod = self.mod
+        m, n = p.m, p.n
+        items = np.arange(chunk.start, chunk.stop)
+        self.nb = nb = len(items)
+
+        def rows_of(flat, index):
+            """The rows of ``flat`` that the chunk's items use, contiguous, and each item's
+            row in that range (a shared factor: the same row for every item)."""
+            idx = np.asarray(index)[items]
+            lo, hi = int(idx.min()), int(idx.max())
+            return mod.ascontiguousarray(flat[lo:hi + 1]), idx - lo
+
+        self.W, w_row = rows_of(chunk.W, chunk.w_index)
+        self.AI, ai_row = rows_of(chunk.A_in, chunk.in_index)
+        if p.two_sided:
+            self.AO, ao_row = rows_of(chunk.A_out, chunk.out_index)
+        else:
+            self.AO, ao_row = None, np.zeros(nb, dtype=np.int64)
+        self.Wq = chunk.values
+        self.codes = chunk.codes
+        self.T = chunk.targets
+        # the quantizer tables: one shared table, or one per item stacked (same shapes)
+        S = [t[0] for t in tables]
+        Z = [t[1] for t in tables]
+        shared = all(x is S[0] for x in S) and all(x is Z[0] for x in Z)
+        self.S = mod.ascontiguousarray(S[0] if shared else mod.stack(S))
+        self.Z = None if Z[0] is None else mod.ascontiguousarray(Z[0] if shared
+                                                                 else mod.stack(Z))
+        self.s_shape = tuple(int(v) for v in S[0].shape)
+        self.z_shape = (1, 1) if Z[0] is None else tuple(int(v) for v in Z[0].shape)
+        s_size = 0 if shared else self.s_shape[0] * self.s_shape[1]
+        z_size = 0 if shared else self.z_shape[0] * self.z_shape[1]
+        mn = m * n
+        # each item's offsets as descriptor fields (the tile ranges and F left 0)
+        j = np.arange(nb, dtype=np.int64)
+        off = np.zeros((nb, DESC), dtype=np.int64)
+        off[:, DESC_W_OFFSET] = np.asarray(w_row, dtype=np.int64) * mn
+        off[:, DESC_OUT_OFFSET] = items * mn
+        off[:, DESC_E_OFFSET] = j * mn
+        off[:, DESC_AO_OFFSET] = np.asarray(ao_row, dtype=np.int64) * m * m
+        off[:, DESC_AI_OFFSET] = np.asarray(ai_row, dtype=np.int64) * n * n
+        off[:, DESC_S_OFFSET] = j * s_size
+        off[:, DESC_Z_OFFSET] = j * z_size
+        self.item_desc = off
+
+    def blocks(self, rows: np.ndarray, f_stride: int) -> np.ndarray:
+        """The descriptors of one item's blocks ``rows`` (k, DESC) for every item, item after
+        item (nb k, DESC): the item's offsets added, its ``F`` region ``f_stride`` further."""
+        d = np.repeat(self.item_desc[:, None, :], len(rows), axis=1)
+        d[:, :, :DESC_W_OFFSET] = rows[None, :, :DESC_W_OFFSET]
+        d[:, :, DESC_F_OFFSET] += np.arange(self.nb, dtype=np.int64)[:, None] * f_stride
+        return d.reshape(-1, DESC)
+
+
+def _stack_antidiagonal(r: _StackSolve) -> str:
+    """Every item's whole tile wavefront in ONE launch: step ``g`` solves anti-diagonal
+    ``g`` of all items (period 1: the items' blocks have one shape)."""
+    p = r.p
+    mod = r.mod
+    two = p.two_sided
+    mn = p.m * p.n
+    one = np.array([block_row(0, p.M, 0, p.N, 0, p.n)], dtype=np.int64)
+    desc = r.device_table(r.blocks(one, mn).reshape(-1))
+    r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
+    Y = mod.empty((r.nb * mn,), dtype=p.W.dtype)  # each item's local accumulator G_O^T Ẽ
+    nsteps = step_count(p.M, p.N, two)
+    r.launch(desc, 0, r.nb, nsteps, r.nb * step_width(p.M, p.N, two), 0, Y, period=1)
+    return (f"one launch for {r.nb} items: {nsteps} grid-synchronised tile steps, each over "
+            f"the tiles of every item")
+
+
+class _StackWavePlan:
+    """The two-level plan of one item (``_WavePlan``) repeated over the items of a stack
+    chunk: each coarse step's descriptors hold every item's blocks (item after item, so the
+    launch's period is one item's blocks) and each planned GEMM's batch holds every item's
+    entries, shifted by the item's offsets in ``E``/``Yg``/``Fb``/``A_I``/``A_O``."""
+
+    def __init__(self, r: "_StackSolve", plan: _WavePlan):
+        nb, mn, fb = r.nb, r.m * r.n, plan.fb_size
+        j = np.arange(nb, dtype=np.int64)
+        item_off = {"Yg": j * mn, "E": j * mn, "Fb": j * fb,
+                    "AI": r.item_desc[:, DESC_AI_OFFSET], "AO": r.item_desc[:, DESC_AO_OFFSET]}
+        self.fb_size = fb
+        desc, steps, first = [], [], 0
+        for start, k, nsteps, grid, flags, before, after in plan.steps:
+            desc.append(r.blocks(plan.desc_rows[start:start + k], fb))
+            steps.append((first, k * nb, nsteps, grid * nb, flags, before, after, k))
+            first += k * nb
+        self.steps = steps
+        self.ops = []
+        kb = max([op[11] for op in plan.ops] + [1]) * nb
+        offs = np.zeros((3 * len(plan.ops), kb), dtype=np.int64)
+        for op in plan.ops:
+            ta, tb, M, N, K, alpha, beta, A, B, C, row, k = op
+            for t, buf in enumerate((A, B, C)):
+                shift = np.asarray(item_off[buf[0]], dtype=np.int64)
+                offs[row + t, :k * nb] = (plan.offs[row + t, :k][None, :]
+                                          + shift[:, None]).reshape(-1)
+            self.ops.append([ta, tb, M, N, K, alpha, beta, A, B, C, row, k * nb])
+        self.offs = offs
+        self.bidx = plan.bidx
+        self.batched = any(op[11] > 1 for op in self.ops)
+        self.desc = r.device_table(np.concatenate(desc).reshape(-1))
+        if not SIM and self.batched:
+            self.offs_dev = r.device_table(offs)
+            self.bidx_dev = r.device_table(self.bidx)
+
+
+def _stack_wavefront(r: "_StackSolve", cs: int) -> str:
+    """The two-level wavefront of every item at once: per coarse step, batched GEMMs over
+    every item's blocks, one launch, batched GEMMs."""
+    p = r.p
+    mod = r.mod
+    plan = _cached(_key(r, "wavefront", cs), lambda: _WavePlan(r, cs))
+    # the stack plan depends on the items' offsets too: cached for repeated stacks alike
+    sp = _cached(_key(r, "wavefront", cs) + (r.item_desc.tobytes(),),
+                 lambda: _StackWavePlan(r, plan))
+    mn = p.m * p.n
+    r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
+    Yg = mod.zeros((r.nb * mn,), dtype=p.W.dtype) if p.two_sided else None
+    Fb = mod.empty((r.nb * sp.fb_size,), dtype=p.W.dtype)
+    r.buffers = {"Yg": Yg, "AI": r.AI, "AO": r.AO, "E": r.E, "Fb": Fb}
+    ptrs = sp.offs if SIM else _pointers(r, sp, r.buffers)
+    for first, k, nsteps, grid, flags, before, after, period in sp.steps:
+        for g in before:
+            r.gemm_batched(sp.ops[g], ptrs)
+        r.launch(sp.desc, first, k, nsteps, grid, flags, Fb, Yg, period=period)
+        for g in after:
+            r.gemm_batched(sp.ops[g], ptrs)
+    return (f"one launch per coarse step for {r.nb} items: {len(sp.steps)} coarse steps of "
+            f"base {cs}, each batched GEMMs over every item's blocks, one launch, batched "
+            f"GEMMs")
+
+
+def _stack_kind(chunk, p):
+    """Every item's quantizer tables in W's dtype, or ``None`` when the items' quantizers
+    differ in kind (symmetric or not, code range, group size, table shapes) or one is not a
+    plain :class:`bakron.UniformQuantizer` (the chunk is then declined)."""
+    from bakron.solvers.engines import is_plain_uniform
+
+    kind0 = None
+    tables = []
+    for i in range(chunk.start, chunk.stop):
+        q = chunk.quantizers[i]
+        if not is_plain_uniform(q):
+            return None
+        s_tab, z_tab = q.tables(p.xp, p.device, p.dtype)
+        kind = (q.symmetric, q.code_range, q.group_size or 1, tuple(s_tab.shape),
+                None if z_tab is None else tuple(z_tab.shape))
+        if kind0 is None:
+            kind0 = kind
+        elif kind != kind0:
+            return None
+        tables.append((s_tab, z_tab))
+    return tables
+
+
+def stack_method(p, items: int, method: str) -> str | None:
+    """The method the chunks of a stack of ``items`` items like ``p`` run with every launch
+    covering all of a chunk's items (every chunk of a stack decides alike), or ``None`` to
+    decline (the stack layer then solves its items one by one). ``antidiagonal`` and
+    ``wavefront`` have stack forms, the recursion not; ``"auto"`` (for at least
+    ``STACK_MIN_ITEMS`` items) takes the anti-diagonal up to ``STACK_ANTIDIAGONAL_MAX_MN``
+    elements per matrix, the two-level wavefront above."""
+    if not STACK:
+        return None
+    if method in ("antidiagonal", "wavefront"):
+        return method
+    if method != "auto" or items < STACK_MIN_ITEMS:
+        return None
+    return "antidiagonal" if p.m * p.n <= STACK_ANTIDIAGONAL_MAX_MN else "wavefront"
+
+
+def solve_stack(chunk):
+    """The stack hook (``bakron.solvers.stack.StackChunk``; docs/stacks.md): solve items
+    ``[chunk.start, chunk.stop)`` with every launch covering all of them, writing into the
+    chunk's outputs; one ``info`` dict per item, or ``None`` to decline.
+
+    Declines when the method has no stack form here (:func:`stack_method`), for the
+    ``direct`` variant, when the items' quantizers differ in kind, or when the outputs are
+    not contiguous. Extra memory: ``E`` and the local accumulator, ``2 m n`` per item."""
+    from bakron import _xp
+    from bakron.solvers._problem import Problem
+
+    if chunk.variant != "accumulator" or chunk.stop <= chunk.start:
+        return None
+    W0, A_out0, A_in0, q0 = chunk.item(chunk.start)
+    p = Problem(_xp.namespace(W0), W0, A_out0, A_in0, q0, chunk.tile,
+                record_targets=chunk.targets is not None)
+    if CAPABILITIES.refusal(p) is not None:
+        return None
+    method = stack_method(p, int(chunk.values.shape[0]), chunk.method)  # the whole stack's
+    if method is None:
+        return None
+    tables = _stack_kind(chunk, p)
+    outs = [chunk.values] + [a for a in (chunk.codes, chunk.targets) if a is not None]
+    if tables is None or not all(a.flags.c_contiguous for a in outs):
+        return None
+    if chunk.codes is None:  # the stacked codes, allocated by the first chunk
+        v = chunk.values
+        chunk.codes = (np if SIM else _cupy()).zeros(tuple(v.shape), dtype=np.int16)
+    r = _StackSolve(chunk, p, tables)
+    if method == "antidiagonal":
+        ran = _stack_antidiagonal(r)
+    else:
+        ran = _stack_wavefront(r, max(1, int(auto_base(p) if chunk.base is None
+                                             else chunk.base)))
+    return [{"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms, "method": method,
+             "engine": NAME, "stack_run": ran} for _ in range(r.nb)]
+
+
+def _cupy():
+    import cupy
+    return cupy
 
 
 def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:

@@ -318,3 +318,256 @@ def test_gpu_array_api_engine_on_cupy():
                          method=method, engine="array_api", base=2)
         assert isinstance(r.values, cp.ndarray)
         np.testing.assert_array_equal(cp.asnumpy(r.values), ref.values)
+
+
+# ------------------------------------------------------------------------------------------
+# stacks: the engine's solve_stack hook (one launch over every item of a chunk)
+# ------------------------------------------------------------------------------------------
+
+def _stack(seed, B, m, n, tx, ty, *, two_sided=True, shared_in=False, shared_out=False,
+           symmetric=True, granularity="row", group_size=None, dtype=np.float64):
+    """B items with per-item quantizers; factors per item or shared (broadcast, 2-D)."""
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((B, m, n)).astype(dtype)
+
+    def factor(s, blk):
+        X = rng.standard_normal((s, 2 * s + 4))
+        return bakron.prepare_factor(X @ X.T / X.shape[1], blk).A.astype(dtype)
+
+    A_in = factor(n, ty) if shared_in else np.stack([factor(n, ty) for _ in range(B)])
+    A_out = None
+    if two_sided:
+        A_out = factor(m, tx) if shared_out else np.stack([factor(m, tx) for _ in range(B)])
+    kw = dict(symmetric=symmetric, granularity=granularity)
+    if granularity == "group":
+        kw["group_size"] = group_size
+    return W, A_out, A_in, bakron.fit_quantizers(W, 2, **kw)
+
+
+def _ns(**kw):
+    import types
+    return types.SimpleNamespace(**kw)
+
+
+def _item(A, i):
+    return None if A is None else (A if A.ndim == 2 else A[i])
+
+
+def _check_items(res, W, A_out, A_in, qs, tile, *, engine="cuda", method="antidiagonal",
+                 targets=False):
+    """Every item of the stack result equals its own single solve bitwise (values, codes;
+    targets too, except the wavefront's: its feedback GEMMs of a stack are one batched
+    call over the items, whose sums may differ in the last bit from the single solve's)."""
+    for i in range(W.shape[0]):
+        one = bakron.solve(W[i], _item(A_out, i), _item(A_in, i), qs[i], tile=tile,
+                           engine=engine, method=method, return_targets=targets)
+        np.testing.assert_array_equal(res.values[i], one.values, err_msg=f"item {i}")
+        np.testing.assert_array_equal(res.codes[i], one.codes, err_msg=f"item {i}")
+        if targets and method == "wavefront":
+            np.testing.assert_allclose(res.targets[i], one.targets, rtol=1e-12, atol=1e-12)
+        elif targets:
+            np.testing.assert_array_equal(res.targets[i], one.targets, err_msg=f"item {i}")
+
+
+@sim_only
+def test_sim_stack_one_launch_equals_items():
+    """Two-sided, ragged tiles (9 x 7 in 2 x 3 tiles), per-item quantizers and A_out, A_in
+    shared by the stack: one launch for the whole stack, every item equal to its single
+    solve on the cuda engine and on the array-API engine (float64: exact)."""
+    W, AO, AI, qs = _stack(1, 3, 9, 7, 2, 3, shared_in=True)
+    W0, AO0, AI0 = W.copy(), AO.copy(), AI.copy()
+    res = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="antidiagonal")
+    assert res.info["stack"]["path"] == "engine solve_stack"
+    assert res.info["launches"] == 1 and res.info["gemms"] == 0
+    assert res.info["stack_run"].startswith("one launch for 3 items: 7 grid-synchronised")
+    assert res.method == "antidiagonal" and res.engine == "cuda"
+    assert res.values.shape == (3, 9, 7) and res.codes.dtype == np.int16
+    _check_items(res, W, AO, AI, qs, (2, 3))
+    _check_items(res, W, AO, AI, qs, (2, 3), engine="array_api")
+    for a, b in ((W, W0), (AO, AO0), (AI, AI0)):
+        np.testing.assert_array_equal(a, b)  # inputs untouched
+
+
+@sim_only
+def test_sim_stack_one_sided_asym_groups_targets():
+    """One-sided, asymmetric per-group grids (one per item), targets recorded: equal to the
+    single solves bitwise (values, codes and targets)."""
+    W, AO, AI, qs = _stack(2, 2, 6, 8, 3, 2, two_sided=False, symmetric=False,
+                           granularity="group", group_size=3)
+    res = bakron.solve(W, None, AI, qs, tile=(3, 2), engine="cuda", method="antidiagonal",
+                       return_targets=True)
+    assert res.info["stack"]["path"] == "engine solve_stack" and res.targets.shape == W.shape
+    _check_items(res, W, None, AI, qs, (3, 2), targets=True)
+    ref = bakron.solve(W[1], None, AI[1], qs[1], tile=(3, 2), engine="array_api",
+                       method="antidiagonal", return_targets=True)
+    np.testing.assert_array_equal(res.values[1], ref.values)
+    np.testing.assert_allclose(res.targets[1], ref.targets, rtol=1e-12, atol=1e-12)
+
+
+@sim_only
+def test_sim_stack_chunks_broadcast_w_and_auto():
+    """A 2-D W shared by a stack of A_in (every item reads the same W rows), A_out shared,
+    chunks of 2 items (max_bytes), method 'auto' (the stack rule picks the one-launch
+    anti-diagonal for small layers): one launch per chunk, items equal the single solves."""
+    from bakron.backends import numba_cuda as nc
+    W3, AO, AI, _ = _stack(3, 5, 5, 6, 2, 2, shared_out=True)
+    W = W3[0]
+    qs = bakron.fit_quantizers(np.broadcast_to(W, (5, 5, 6)), 3)
+    item_bytes = 4 * 5 * 6 * 8
+    res = bakron.solve_stack(W, AO, AI, qs, tile=2, engine="cuda", max_bytes=2 * item_bytes)
+    assert res.info["stack"]["chunks"] == 3 and res.info["stack"]["path"] == "engine solve_stack"
+    assert res.method == "antidiagonal" and res.info["launches"] == 1
+    assert nc.stack_method(_ns(m=5, n=6), 5, "auto") == "antidiagonal"
+    assert nc.stack_method(_ns(m=5, n=6), 1, "auto") is None  # one item: single rule
+    assert nc.stack_method(_ns(m=4096, n=4096), 64, "auto") == "wavefront"
+    assert nc.stack_method(_ns(m=5, n=6), 5, "recursive") is None  # no stack form
+    _check_items(res, np.repeat(W[None], 5, axis=0), AO, AI, qs, (2, 2))
+
+
+@sim_only
+@pytest.mark.parametrize("two_sided,base", [(True, 1), (True, 2), (False, 1)])
+def test_sim_stack_wavefront_batched_gemms(two_sided, base):
+    """The two-level wavefront of a stack: one launch per coarse step over every item's
+    blocks, every feedback GEMM one batched call over the items (ragged tiles, per-item
+    A_out, A_in shared, one-sided with asymmetric grids, targets): equal to the single
+    solves bitwise and to the array-API reference."""
+    W, AO, AI, qs = _stack(6, 3, 9, 7, 2, 3, two_sided=two_sided, shared_in=True,
+                           symmetric=two_sided)
+    res = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="wavefront",
+                       base=base, return_targets=True)
+    assert res.info["stack"]["path"] == "engine solve_stack"
+    assert res.info["stack_run"].startswith("one launch per coarse step for 3 items")
+    one = bakron.solve(W[0], _item(AO, 0), AI, qs[0], tile=(2, 3), engine="cuda",
+                       method="wavefront", base=base)
+    # as many launches and GEMM calls as one item's solve: the items share every call
+    assert (res.info["launches"], res.info["gemms"]) == (one.info["launches"],
+                                                         one.info["gemms"])
+    _check_items(res, W, AO, AI, qs, (2, 3), method="wavefront", targets=True)
+    _check_items(res, W, AO, AI, qs, (2, 3), engine="array_api")
+
+
+@sim_only
+def test_sim_stack_option_off_declines(monkeypatch):
+    """``STACK = False`` (``BAKRON_CUDA_STACK=0``): every stack runs item by item."""
+    from bakron.backends import numba_cuda as nc
+    monkeypatch.setattr(nc, "STACK", False)
+    W, AO, AI, qs = _stack(7, 2, 5, 5, 2, 2)
+    res = bakron.solve(W, AO, AI, qs, tile=2, engine="cuda", method="antidiagonal")
+    assert res.info["stack"]["path"] == "items one by one" and "stack_run" not in res.info
+    _check_items(res, W, AO, AI, qs, (2, 2))
+
+
+@sim_only
+def test_sim_stack_declines_to_items():
+    """Quantizers of different kinds (symmetric and asymmetric), or a method without a stack
+    form (recursion): the hook declines and the items run one by one, still exact."""
+    W, AO, AI, qs = _stack(4, 2, 6, 6, 2, 2)
+    mixed = [qs[0], bakron.UniformQuantizer.fit(W[1], 2, symmetric=False)]
+    res = bakron.solve(W, AO, AI, mixed, tile=2, engine="cuda", method="antidiagonal")
+    assert res.info["stack"]["path"] == "items one by one"
+    _check_items(res, W, AO, AI, mixed, (2, 2))
+    res = bakron.solve(W, AO, AI, qs, tile=2, engine="cuda", method="recursive", base=1)
+    assert res.info["stack"]["path"] == "items one by one" and res.method == "recursive"
+    _check_items(res, W, AO, AI, qs, (2, 2), method="recursive")
+
+
+@sim_only
+def test_sim_stack_float32_and_shared_quantizer():
+    """float32 with one quantizer shared by every item: the stack equals the single
+    anti-diagonal solves bitwise (same kernel, same summation order per tile)."""
+    W, AO, AI, _ = _stack(5, 3, 7, 5, 2, 2, dtype=np.float32)
+    q = bakron.UniformQuantizer.fit(W[0], 3)
+    res = bakron.solve(W, AO, AI, q, tile=2, engine="cuda", method="antidiagonal")
+    assert res.values.dtype == np.float32 and res.info["stack"]["path"] == "engine solve_stack"
+    _check_items(res, W, AO, AI, [q] * 3, (2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+@pytest.mark.parametrize("two_sided,dtype", [(True, np.float64), (False, np.float64),
+                                             (True, np.float32)])
+def test_gpu_stack_one_launch_equals_items(two_sided, dtype):
+    """On the device: a stack of 6 ragged layers (100 x 70, tile 16) with per-item
+    quantizers, per-item A_out and a shared A_in runs in one launch and equals the single
+    anti-diagonal solves bitwise (float32 too: same kernel, same sums); in float64 it also
+    equals the single solves of method 'auto' (the wavefront) and the CPU reference."""
+    cp = _cp()
+    W, AO, AI, qs = _stack(8, 6, 100, 70, 16, 16, two_sided=two_sided, shared_in=True,
+                           symmetric=not two_sided, dtype=dtype)
+    Wd, AId = cp.asarray(W), cp.asarray(AI)
+    AOd = None if AO is None else cp.asarray(AO)
+    res = bakron.solve(Wd, AOd, AId, qs, tile=16, engine="cuda", return_targets=True)
+    assert res.info["stack"]["path"] == "engine solve_stack" and res.info["launches"] == 1
+    assert res.method == "antidiagonal" and isinstance(res.values, cp.ndarray)
+    got = cp.asnumpy(res.values)
+    for i in range(6):
+        one = bakron.solve(Wd[i], None if AOd is None else AOd[i], AId, qs[i], tile=16,
+                           engine="cuda", method="antidiagonal", return_targets=True)
+        np.testing.assert_array_equal(got[i], cp.asnumpy(one.values), err_msg=f"item {i}")
+        np.testing.assert_array_equal(cp.asnumpy(res.codes[i]), cp.asnumpy(one.codes))
+        np.testing.assert_array_equal(cp.asnumpy(res.targets[i]), cp.asnumpy(one.targets))
+        if dtype == np.float64:
+            auto = bakron.solve(Wd[i], None if AOd is None else AOd[i], AId, qs[i], tile=16)
+            np.testing.assert_array_equal(got[i], cp.asnumpy(auto.values))
+            ref = _ref(W[i], _item(AO, i), AI, qs[i], (16, 16))
+            np.testing.assert_array_equal(got[i], ref.values, err_msg=f"item {i}")
+    np.testing.assert_array_equal(cp.asnumpy(Wd), W)  # input untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+@pytest.mark.parametrize("two_sided,base", [(True, 2), (True, None), (False, 2)])
+def test_gpu_stack_wavefront_equals_items_float64(two_sided, base):
+    """On the device: the stack's two-level wavefront (batched GEMMs over every item's
+    blocks, per-item A_out and quantizers, A_in shared) equals the single wavefront solves
+    and the CPU reference exactly in float64, with the launches and GEMM calls of one
+    item."""
+    cp = _cp()
+    W, AO, AI, qs = _stack(9, 5, 150, 90, 16, 16, two_sided=two_sided, shared_in=True)
+    Wd, AId = cp.asarray(W), cp.asarray(AI)
+    AOd = None if AO is None else cp.asarray(AO)
+    res = bakron.solve(Wd, AOd, AId, qs, tile=16, engine="cuda", method="wavefront",
+                       base=base)
+    assert res.info["stack"]["path"] == "engine solve_stack"
+    got, codes = cp.asnumpy(res.values), cp.asnumpy(res.codes)
+    for i in range(5):
+        one = bakron.solve(Wd[i], None if AOd is None else AOd[i], AId, qs[i], tile=16,
+                           engine="cuda", method="wavefront", base=base)
+        if i == 0:
+            assert (res.info["launches"], res.info["gemms"]) == (one.info["launches"],
+                                                                 one.info["gemms"])
+        np.testing.assert_array_equal(got[i], cp.asnumpy(one.values), err_msg=f"item {i}")
+        np.testing.assert_array_equal(codes[i], cp.asnumpy(one.codes), err_msg=f"item {i}")
+        ref = _ref(W[i], _item(AO, i), AI, qs[i], (16, 16))
+        np.testing.assert_array_equal(got[i], ref.values, err_msg=f"item {i}")
+
+
+@sim_only
+def test_sim_bench_stack_gpu_suite(tmp_path, monkeypatch):
+    """``python -m bakron.bench_stack --gpu --suite`` end to end on tiny workloads in the
+    simulator (numpy standing in for cupy): one row per workload with every entry, the stack
+    form of auto, the bitwise identity with the single solves, the page and its raw JSON."""
+    import json
+    import types
+
+    from bakron.benchmarks import stack as bench
+
+    rt = types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"simulator"})
+    fake = types.ModuleType("cupy")
+    fake.asarray, fake.all, fake.sum, fake.eye = np.asarray, np.all, np.sum, np.eye
+    fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(bench, "GPU_SUITE", ((2, 5, 4), (2, 4, 6)))
+    # sync() of the entries waits on cupy's stream: give the stand-in one
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    fake.cuda = types.SimpleNamespace(runtime=rt, get_current_stream=lambda: stream)
+    assert bench.main(["--gpu", "--suite", "--tile", "2", "--repeats", "1", "--dtype",
+                       "float64", "--engine", "cuda", "--out", str(tmp_path)]) == 0
+    page = (tmp_path / "stack-h200-suite.md").read_text()
+    rows = [ln for ln in page.splitlines() if ln.startswith("| 2 × ")]
+    assert len(rows) == 2 and all(r.endswith("| True | 0 |") for r in rows)
+    assert "antidiagonal: one launch for 2 items" in rows[0]
+    raw = json.loads((tmp_path / "stack-h200-suite.json").read_text())
+    assert set(raw["2x5x4"]["median"]) == {"floor", "one by one", "stack, items",
+                                           "stack, antidiagonal", "stack, wavefront",
+                                           "stack, auto"}

@@ -17,8 +17,13 @@ Modes (each writes one page into ``--out``, default ``docs/benchmarks``, with it
   ``OPENBLAS_NUM_THREADS = NUMBA_NUM_THREADS = t``; each measures one by one (BLAS and numba
   on ``t`` threads), the stack on 1 worker and on ``t`` workers (1 thread each), and the floor;
   writes ``stack-threads.md`` (``--label`` names a variant of the engine being measured);
-* ``--gpu``: cupy arrays on the current device (TF32 off unless ``--tf32``), one by one vs the
-  stack on the engine that ``auto`` picks; writes ``stack-h200.md`` (``--name`` to rename).
+* ``--gpu``: cupy arrays on the current device (TF32 off unless ``--tf32``): one by one, the
+  stack with the cuda engine's stack hook off (``stack, items``: one item after the other)
+  and on (``stack, antidiagonal``, ``stack, wavefront``, ``stack, auto``: every launch over
+  all items), and the floor; writes ``stack-h200.md`` (``--name`` to rename);
+* ``--gpu --suite``: the same for the workloads of ``GPU_SUITE`` (64 × 1024², an MoE block
+  128 × 768×2048 and 128 × 2048×768, 64 × 256²) in one process; writes one table,
+  ``stack-h200-suite.md``.
 """
 from __future__ import annotations
 
@@ -32,9 +37,13 @@ import sys
 
 import numpy as np
 
+from .._lib.fs import atomic_path
 from .cpu import interleaved
 
-__all__ = ["main", "make_stack", "run_point"]
+__all__ = ["main", "make_stack", "run_point", "GPU_SUITE"]
+
+#: the GPU workloads of ``--gpu --suite``: (B, m, n)
+GPU_SUITE = ((64, 1024, 1024), (128, 768, 2048), (128, 2048, 768), (64, 256, 256))
 
 
 def make_stack(B: int, m: int, n: int, *, tile: int = 16, bits: int = 2, dtype="float32",
@@ -54,8 +63,9 @@ def make_stack(B: int, m: int, n: int, *, tile: int = 16, bits: int = 2, dtype="
     return W, A_out, A_in, qs
 
 
-def _entries(xp, W, A_out, A_in, qs, tile, workers_list, engine):
-    """The callables of one measurement, in W's namespace (numpy or cupy)."""
+def _entries(xp, W, A_out, A_in, qs, tile, workers_list, engine, gpu=False):
+    """The callables of one measurement, in W's namespace (numpy or cupy); on the GPU the
+    stack as the engine runs it and the stack with its hook declined."""
     import bakron
 
     B = W.shape[0]
@@ -79,6 +89,24 @@ def _entries(xp, W, A_out, A_in, qs, tile, workers_list, engine):
         sync()
 
     fns = {"floor": floor, "one by one": one_by_one}
+    if gpu:
+        from bakron.backends import numba_cuda
+
+        def stack(method, hook=True):
+            def run():
+                before = numba_cuda.STACK
+                numba_cuda.STACK = hook  # the engine's option: off declines every stack
+                try:
+                    bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine,
+                                       method=method)
+                    sync()
+                finally:
+                    numba_cuda.STACK = before
+            return run
+        fns["stack, items"] = stack("auto", hook=False)
+        for method in ("antidiagonal", "wavefront", "auto"):
+            fns[f"stack, {method}"] = stack(method)
+        return fns
     if xp is np:
         try:
             from threadpoolctl import threadpool_limits
@@ -109,15 +137,25 @@ def run_point(B, m, n, *, tile=16, bits=2, dtype="float32", workers=(1,), repeat
     if gpu:
         import cupy as xp
         W, A_out, A_in = (xp.asarray(a) for a in (W, A_out, A_in))
-    fns = _entries(xp, W, A_out, A_in, qs, tile, workers, engine)
+    fns = _entries(xp, W, A_out, A_in, qs, tile, workers, engine, gpu=gpu)
     times = interleaved(fns, repeats, budget)
     res = bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine, workers=workers[-1])
-    same = all(bool(xp.all(res.values[i] == bakron.solve(
-        W[i], A_out[i], A_in[i], qs[i], tile=tile, engine=engine).values)) for i in range(B))
+    # bitwise against the single solves of the method the stack ran; and how many entries
+    # differ from the single solves of method "auto" (0 in float64; near-ties in float32
+    # when the stack ran another method than auto's, docs/stacks.md)
+    same, differ = True, 0
+    for i in range(B):
+        one = bakron.solve(W[i], A_out[i], A_in[i], qs[i], tile=tile, engine=engine,
+                           method=res.method if "," not in res.method else "auto").values
+        same = same and bool(xp.all(res.values[i] == one))
+        auto = bakron.solve(W[i], A_out[i], A_in[i], qs[i], tile=tile, engine=engine).values
+        differ += int(xp.sum(res.values[i] != auto))
+    info = {k: v for k, v in res.info.items() if k not in ("stack", "quantizer_calls")}
     return {"median": {k: float(np.median(v)) for k, v in times.items()},
             "runs": {k: len(v) for k, v in times.items()}, "engine": res.engine,
             "method": res.method, "stack": {k: v for k, v in res.info["stack"].items()
-                                            if k != "shape"}, "identical": same}
+                                            if k != "shape"}, "identical": same,
+            "differ_from_auto": differ, "info": info}
 
 
 def _machine(load: bool = True) -> str:
@@ -149,12 +187,59 @@ def _table(point) -> list[str]:
     return lines
 
 
+def _gpu_suite(args, command) -> int:
+    """``--gpu --suite``: every workload of ``GPU_SUITE``, one row each."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    body = ["| workload | one by one | stack, items | stack, antidiagonal | stack, wavefront | "
+            "stack, auto | summed floor | auto ÷ one by one | auto ÷ floor | best stack ÷ "
+            "floor | auto ran | identical | entries ≠ auto |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    raw = {}
+    for B, m, n in GPU_SUITE:
+        p = run_point(B, m, n, tile=args.tile, bits=args.bits, dtype=args.dtype,
+                      workers=(1,), repeats=args.repeats, budget=args.budget, gpu=True,
+                      engine=args.engine)
+        raw[f"{B}x{m}x{n}"] = p
+        med = p["median"]
+        one, floor, auto = med["one by one"], med["floor"], med["stack, auto"]
+        best = min(med["stack, antidiagonal"], med["stack, wavefront"], auto)
+        ran = p["info"].get("stack_run") or p["stack"]["path"]
+        ms = " | ".join(f"{med[k] * 1e3:.1f} ms" for k in (
+            "one by one", "stack, items", "stack, antidiagonal", "stack, wavefront",
+            "stack, auto"))
+        body.append(f"| {B} × {m}×{n} | {ms} | {floor * 1e3:.2f} ms | {auto / one:.2f}× | "
+                    f"{auto / floor:.2f}× | {best / floor:.2f}× | {p['method']}: {ran} | "
+                    f"{p['identical']} | {p['differ_from_auto']} |")
+        print(body[-1], flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+    intro = [f"Stacks of layers on {dev}: {args.dtype}, tile {args.tile}, {args.bits}-bit, "
+             f"two-sided, per-item quantizers (cupy, engine {args.engine}, TF32 "
+             f"{'on' if args.tf32 else 'off'}).", "", f"Command: `{command}`", "",
+             "Entries, medians of interleaved rounds: *one by one*: `bakron.solve` per item "
+             "(method auto); *stack, items*: `bakron.solve` on the stack with the cuda "
+             "engine's stack hook off (`STACK = False`: the items one after the other, the "
+             "path before the one-launch kernel); *stack, antidiagonal* / *wavefront*: the "
+             "stack with that method (one launch over every item / per coarse step one "
+             "launch and batched GEMMs over every item); *stack, auto*: what "
+             "`bakron.solve` runs on the stack (`STACK_ANTIDIAGONAL_MAX_MN` decides); "
+             "*summed floor*: `G_Oᵀ W G_I` of every item. *identical*: every item of the "
+             "auto stack equals its single solve of the method the stack ran, bitwise; "
+             "*entries ≠ auto*: entries that differ from the single solves of method auto "
+             "(float32 near-ties between methods)."]
+    name = args.name or "stack-h200-suite"
+    _write(os.path.join(args.out, name + ".md"),
+           "Stacks of layers on the GPU: the one-launch path", intro, body)
+    with atomic_path(os.path.join(args.out, name + ".json")) as t:
+        t.write_text(json.dumps(raw, indent=1, default=str))
+    return 0
+
+
 def _write(path, title, intro, body):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join([f"# {title}", "", *intro, "", *body, ""]))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text("\n".join([f"# {title}", "", *intro, "", *body, ""]))
 
 
 def _threads_point(args) -> dict:
@@ -181,6 +266,9 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="", help="what engine variant --threads measures")
     ap.add_argument("--gpu", action="store_true", help="cupy on the current device")
     ap.add_argument("--tf32", action="store_true", help="allow TF32 (with --gpu)")
+    ap.add_argument("--engine", default="auto", help="engine of every solve (default auto)")
+    ap.add_argument("--suite", action="store_true",
+                    help="with --gpu: every workload of GPU_SUITE, one table")
     ap.add_argument("--name", default=None, help="page name (default by mode)")
     ap.add_argument("--out", default=os.path.join("docs", "benchmarks"))
     ap.add_argument("--point", type=int, default=None, help=argparse.SUPPRESS)
@@ -231,6 +319,9 @@ def main(argv=None) -> int:
         if not args.tf32:
             os.environ.setdefault("CUPY_TF32", "0")
         import cupy
+
+        if args.suite:
+            return _gpu_suite(args, command)
 
         p = run_point(args.B, args.m, args.n, tile=args.tile, bits=args.bits, dtype=args.dtype,
                       workers=(1,), repeats=args.repeats, budget=args.budget, gpu=True)
