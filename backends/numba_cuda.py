@@ -711,13 +711,13 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
 # stacks: the items of a chunk advance together (docs/stacks.md)
 # ------------------------------------------------------------------------------------------
 
-#: ``method="auto"`` on a stack: the one-launch anti-diagonal over all items of a chunk when
-#: a matrix has at most this many elements; larger layers fill the GPU alone, their chunks
-#: are declined and every item runs its own ``auto_method``. An estimate from the
-#: single-layer times of docs/benchmarks/h200.md (the anti-diagonal's work per item is about
-#: half a floor product; the wavefront wins once one item fills the grid), to be replaced
-#: by the stack measurements (``python -m bakron.bench_stack --gpu --suite``).
-STACK_ANTIDIAGONAL_MAX_MN = 2048 * 2048
+#: ``method="auto"`` on a stack: the two-level wavefront in stack form (per coarse step one
+#: launch over every item's blocks, batched GEMMs over the items), with coarse blocks of
+#: ``STACK_BASE`` tiles when ``base`` is not given. Measured on the H200 (64 x 1024², 128 x
+#: 768x2048, 64 x 256²; docs/benchmarks/h200.md, "Stacks"): the wavefront was as fast as or
+#: faster than the one-launch anti-diagonal at every size (1.7x at 1024²), and base 4 the
+#: fastest of 2, 4, 8, 16 on all three. Matrices of at most 4 tiles take the anti-diagonal.
+STACK_BASE = 4
 #: ... and when the stack has at least this many items (one item: the single-layer rule)
 STACK_MIN_ITEMS = 2
 
@@ -892,15 +892,15 @@ def stack_method(p, items: int, method: str) -> str | None:
     covering all of a chunk's items (every chunk of a stack decides alike), or ``None`` to
     decline (the stack layer then solves its items one by one). ``antidiagonal`` and
     ``wavefront`` have stack forms, the recursion not; ``"auto"`` (for at least
-    ``STACK_MIN_ITEMS`` items) takes the anti-diagonal up to ``STACK_ANTIDIAGONAL_MAX_MN``
-    elements per matrix, the two-level wavefront above."""
+    ``STACK_MIN_ITEMS`` items) takes the two-level wavefront (the anti-diagonal for
+    matrices of at most 4 tiles)."""
     if not STACK:
         return None
     if method in ("antidiagonal", "wavefront"):
         return method
     if method != "auto" or items < STACK_MIN_ITEMS:
         return None
-    return "antidiagonal" if p.m * p.n <= STACK_ANTIDIAGONAL_MAX_MN else "wavefront"
+    return "antidiagonal" if p.M * p.N <= 4 else "wavefront"
 
 
 def solve_stack(chunk):
@@ -935,7 +935,7 @@ def solve_stack(chunk):
     if method == "antidiagonal":
         ran = _stack_antidiagonal(r)
     else:
-        ran = _stack_wavefront(r, max(1, int(auto_base(p) if chunk.base is None
+        ran = _stack_wavefront(r, max(1, int(STACK_BASE if chunk.base is None
                                              else chunk.base)))
     return [{"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms, "method": method,
              "engine": NAME, "stack_run": ran} for _ in range(r.nb)]

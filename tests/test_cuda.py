@@ -407,20 +407,22 @@ def test_sim_stack_one_sided_asym_groups_targets():
 @sim_only
 def test_sim_stack_chunks_broadcast_w_and_auto():
     """A 2-D W shared by a stack of A_in (every item reads the same W rows), A_out shared,
-    chunks of 2 items (max_bytes), method 'auto' (the stack rule picks the one-launch
-    anti-diagonal for small layers): one launch per chunk, items equal the single solves."""
+    chunks of 2 items (max_bytes), method 'antidiagonal': one launch per chunk, items equal
+    the single solves; and the stack rule of method 'auto'."""
     from bakron.backends import numba_cuda as nc
     W3, AO, AI, _ = _stack(3, 5, 5, 6, 2, 2, shared_out=True)
     W = W3[0]
     qs = bakron.fit_quantizers(np.broadcast_to(W, (5, 5, 6)), 3)
     item_bytes = 4 * 5 * 6 * 8
-    res = bakron.solve_stack(W, AO, AI, qs, tile=2, engine="cuda", max_bytes=2 * item_bytes)
+    res = bakron.solve_stack(W, AO, AI, qs, tile=2, engine="cuda", max_bytes=2 * item_bytes,
+                             method="antidiagonal")
     assert res.info["stack"]["chunks"] == 3 and res.info["stack"]["path"] == "engine solve_stack"
     assert res.method == "antidiagonal" and res.info["launches"] == 1
-    assert nc.stack_method(_ns(m=5, n=6), 5, "auto") == "antidiagonal"
-    assert nc.stack_method(_ns(m=5, n=6), 1, "auto") is None  # one item: single rule
-    assert nc.stack_method(_ns(m=4096, n=4096), 64, "auto") == "wavefront"
-    assert nc.stack_method(_ns(m=5, n=6), 5, "recursive") is None  # no stack form
+    assert nc.stack_method(_ns(M=3, N=3), 5, "auto") == "wavefront"
+    assert nc.stack_method(_ns(M=2, N=2), 5, "auto") == "antidiagonal"  # at most 4 tiles
+    assert nc.stack_method(_ns(M=3, N=3), 1, "auto") is None  # one item: single rule
+    assert nc.stack_method(_ns(M=256, N=256), 64, "auto") == "wavefront"
+    assert nc.stack_method(_ns(M=3, N=3), 5, "recursive") is None  # no stack form
     _check_items(res, np.repeat(W[None], 5, axis=0), AO, AI, qs, (2, 2))
 
 
@@ -566,7 +568,7 @@ def test_sim_bench_stack_gpu_suite(tmp_path, monkeypatch):
     page = (tmp_path / "stack-h200-suite.md").read_text()
     rows = [ln for ln in page.splitlines() if ln.startswith("| 2 × ")]
     assert len(rows) == 2 and all(r.endswith("| True | 0 |") for r in rows)
-    assert "antidiagonal: one launch for 2 items" in rows[0]
+    assert "one launch per coarse step for 2 items" in rows[0]  # auto: the wavefront form
     raw = json.loads((tmp_path / "stack-h200-suite.json").read_text())
     assert set(raw["2x5x4"]["median"]) == {"floor", "one by one", "stack, items",
                                            "stack, antidiagonal", "stack, wavefront",

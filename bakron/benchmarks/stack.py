@@ -223,7 +223,7 @@ def _gpu_suite(args, command) -> int:
              "path before the one-launch kernel); *stack, antidiagonal* / *wavefront*: the "
              "stack with that method (one launch over every item / per coarse step one "
              "launch and batched GEMMs over every item); *stack, auto*: what "
-             "`bakron.solve` runs on the stack (`STACK_ANTIDIAGONAL_MAX_MN` decides); "
+             "`bakron.solve` runs on the stack (`stack_method` decides); "
              "*summed floor*: `G_Oᵀ W G_I` of every item. *identical*: every item of the "
              "auto stack equals its single solve of the method the stack ran, bitwise; "
              "*entries ≠ auto*: entries that differ from the single solves of method auto "
