@@ -27,6 +27,11 @@ link; :func:`bakron.distributed._outputs.write_layer_file`) into the work folder
 already written; different arguments are refused. The export is written atomically once every
 layer is done, then the work folder is removed. Every argument, the model and the format's
 ability to hold the grid are checked before any work is done.
+
+Scale-out (``scheduler=`` / ``gpus=`` / ``client=``, docs/export.md "Devices and scale-out"):
+the factors are collected here and each layer's solve runs as one Dask task
+(:mod:`bakron.distributed._model_jobs`) through the same :func:`_solve_and_publish`, so the
+layer files and the export are the same.
 """
 from __future__ import annotations
 
@@ -253,10 +258,10 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         Also return the quantized weights (``result["weights"]``: ``{name: W_hat}``, float32)
         and the loaded original model (``result["model_object"]``).
     scheduler, gpus, client
-        Scale-out on Dask (at most one of them; docs/export.md, "Scale-out"): the address of
-        a running scheduler whose workers see ``OUT``'s folder, ``N`` to start a loopback
-        cluster of one worker per GPU (the first N visible), or a ``distributed.Client`` of
-        the caller's (left open). The factor collection stays in this process; each layer's
+        Scale-out on Dask (at most one of them; docs/export.md, "Devices and scale-out"):
+        the address of a running scheduler whose workers see ``OUT``'s folder, ``N`` to
+        start a loopback cluster of one worker per GPU (the first N visible), or a
+        ``distributed.Client`` of the caller's (left open). The factor collection stays in this process; each layer's
         solve is one Dask task, submitted as soon as the layer's factors are final, and the
         worker publishes the layer file write-once, as this process does without them (the
         same bytes). ``retries``: re-runs of a task that raised (on another worker when
@@ -268,8 +273,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     Raises :class:`~bakron.io.InputError` (bad argument, a format that cannot hold the grid
     or the model's shapes, a work folder of another run), :class:`~bakron.io.OutputExistsError`
     (``out`` exists), ``ClusterUnavailable`` of ``bakron.distributed._model_jobs`` (Dask
-    missing, the scheduler unreachable, fewer GPUs than ``gpus``; before the model is loaded), and the
-    loader's errors (:func:`bakron.models.load_llm`).
+    missing, the scheduler unreachable, fewer GPUs than ``gpus``; raised before the model is
+    loaded), and the loader's errors (:func:`bakron.models.load_llm`).
     """
     from .distributed._outputs import verify_layer_file
 
@@ -413,7 +418,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                 if ok:
                     done[name] = meta
             todo = [n for n in names if n not in done]
-            rows = {n: {"resumed": True, "seconds": float(done[n].get("seconds", 0.0))} for n in done}
+            rows = {n: {"resumed": True, "seconds": float(done[n].get("seconds", 0.0))}
+                    for n in done}
             if done:
                 _say(progress, f"resuming: {len(done)} of {len(names)} layers already in {work}")
             state = {"W_hat": {}}
