@@ -261,11 +261,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         Scale-out on Dask (at most one of them; docs/export.md, "Devices and scale-out"):
         the address of a running scheduler whose workers see ``OUT``'s folder, ``N`` to
         start a loopback cluster of one worker per GPU (the first N visible), or a
-        ``distributed.Client`` of the caller's (left open). The factor collection stays in this process; each layer's
-        solve is one Dask task, submitted as soon as the layer's factors are final, and the
-        worker publishes the layer file write-once, as this process does without them (the
-        same bytes). ``retries``: re-runs of a task that raised (on another worker when
-        there is one).
+        ``distributed.Client`` of the caller's (left open). The factor collection stays in
+        this process; each layer's solve is one Dask task, submitted as soon as the layer's
+        factors are final, and the worker publishes the layer file write-once, as this
+        process does without them (the same bytes). ``retries``: re-runs of a task that
+        raised (on another worker when there is one).
 
     Returns a dict: ``out``, ``layers`` (per layer: seconds, resumed), ``seconds`` (per
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
