@@ -162,6 +162,18 @@ def test_cli_unreachable_scheduler_exits_4_before_any_work(models, tmp_path, cap
     assert not loaded and not out.exists() and not work_folder(out).exists()
 
 
+def test_cli_scheduler_without_workers_exits_4(models, tmp_path, capsys, monkeypatch):
+    from bakron.distributed import _model_jobs
+
+    monkeypatch.setattr(_model_jobs, "CONNECT_TIMEOUT", 1.0)
+    with distributed.LocalCluster(n_workers=0, processes=False,
+                                  dashboard_address=":0") as empty:
+        rc, out = _cli(models, tmp_path, "--scheduler", empty.scheduler_address)
+    err = capsys.readouterr().err
+    assert rc == 4 and "has no worker (none joined within 1 s)" in err, err
+    assert not out.exists() and not work_folder(out).exists()
+
+
 def test_cli_gpus_without_a_gpu_exits_4(models, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     rc, out = _cli(models, tmp_path, "--gpus", "2", "--device", "auto")

@@ -97,7 +97,14 @@ class DaskLayerSolves:
                 cluster = gpu_cluster(int(gpus))
                 client = Client(cluster)
             else:
-                client = Client(scheduler, timeout=f"{timeout or CONNECT_TIMEOUT}s")
+                wait = timeout or CONNECT_TIMEOUT
+                client = Client(scheduler, timeout=f"{wait}s")
+                try:   # a scheduler without workers would leave every task queued for ever
+                    client.wait_for_workers(1, timeout=wait)
+                except TimeoutError:
+                    client.close()
+                    raise ClusterUnavailable(f"the scheduler {scheduler} has no worker (none "
+                                             f"joined within {wait:g} s)") from None
         except ClusterUnavailable:
             raise
         except ValueError as exc:   # e.g. fewer GPUs visible than asked for, a bad address
