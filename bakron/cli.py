@@ -13,7 +13,8 @@ Exit codes (stable; scripts may rely on them):
      exists (it is never replaced); nothing was written
 4    a part that the command needs is not available (an optional dependency, a demo model,
      ``bakron.bench``, a GPU for ``--device gpu``, ``--engine cuda``, ``--method wavefront``
-     or ``--gpus``; ``quantize-model``: a missing model file or shard); checked before any
+     or ``--gpus``; ``quantize-model``: a missing model file or shard, a ``--scheduler``
+     that does not answer); checked before any
      layer runs, nothing was written
 5    the output could not be written (I/O error such as a full disk or a read-only file
      system); no partial output folder is left
@@ -290,9 +291,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="asymmetric gptq/float grid (zero points)")
     qm.add_argument("--damp", type=_damp, default=0.01,
                     help="relative damping of the factors (default 0.01)")
-    qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
-                    help="where to compute (default cpu; auto uses a GPU when cupy sees one)")
+    qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
+                    help="where the model and the solves run (default cpu, gpu with --gpus; "
+                         "auto uses a GPU when cupy sees one)")
     qm.add_argument("--quiet", action="store_true", help="no progress output")
+    where = qm.add_mutually_exclusive_group()
+    where.add_argument("--scheduler", metavar="ADDRESS", default=None,
+                       help="solve each layer as one Dask task on this scheduler "
+                            "(tcp://host:8786; workers must see OUT's folder); the factors "
+                            "are collected here (needs bakron[dask])")
+    where.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
+                       help="start a local Dask cluster of one worker per GPU (the first N "
+                            "visible) for the solves (needs bakron[dask])")
     qm.set_defaults(func=_cmd_quantize_model)
 
     b = sub.add_parser("bench", help="benchmark methods x sizes on this machine (forwards "
@@ -457,13 +467,19 @@ def _cmd_quantize_model(args) -> int:
     from .io import InputError, OutputExistsError, array_module
 
     out = io_check_out(args.out)
-    if args.device == "gpu":
+    if args.gpus and args.device == "cpu":
+        raise UsageError(f"--gpus {args.gpus} runs the solves on GPU workers; --device cpu "
+                         f"contradicts it (drop --device cpu, or use --scheduler with CPU "
+                         f"workers)")
+    device = args.device or ("gpu" if args.gpus else "cpu")
+    if device == "gpu":
         try:
             array_module("gpu")
         except RuntimeError as exc:
             raise Unavailable(str(exc)) from None
     try:
         from . import quantize_model as qm
+        from .distributed._model_jobs import ClusterUnavailable
         importlib.import_module("tqdm")   # the progress bar
     except ImportError as exc:
         raise Unavailable(f"quantize-model needs {exc.name!r}, which is not installed: "
@@ -476,7 +492,10 @@ def _cmd_quantize_model(args) -> int:
                                 bits=args.bits, group_size=args.group_size, sym=args.sym,
                                 calib=args.calib, calib_seqs=args.calib_seqs,
                                 calib_len=args.calib_len, memory_budget=args.memory_budget,
-                                device=args.device, damp=args.damp, progress=not args.quiet)
+                                device=device, damp=args.damp, progress=not args.quiet,
+                                scheduler=args.scheduler, gpus=args.gpus)
+    except ClusterUnavailable as exc:
+        raise Unavailable(str(exc)) from None
     except OutputExistsError as exc:
         _err(f"bakron quantize-model: {exc}")
         return EXIT_OUT_EXISTS

