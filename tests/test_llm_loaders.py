@@ -453,7 +453,9 @@ def test_batched_right_padding_equals_one_sequence_at_a_time(tiny_lm):
     for s, got in zip(seqs, nt):
         lp = np.asarray(lm.log_probs(s), dtype=np.float64)
         assert got.shape == (len(s) - 1,)
-        np.testing.assert_allclose(got, lp[np.arange(len(s) - 1), s[1:]], atol=1e-6)
+        # batched (padded) forward against the one-sequence forward: float32 sums in another
+        # order, so the same tolerance as the batched log-probs above
+        np.testing.assert_allclose(got, lp[np.arange(len(s) - 1), s[1:]], atol=2e-5)
 
 
 def test_model_api_and_errors(tiny_lm):
