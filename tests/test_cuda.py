@@ -439,6 +439,7 @@ def test_sim_stack_wavefront_batched_gemms(two_sided, base):
                        base=base, return_targets=True)
     assert res.info["stack"]["path"] == "engine solve_stack"
     assert res.info["stack_run"].startswith("one launch per coarse step for 3 items")
+    assert res.info["base"] == base
     one = bakron.solve(W[0], _item(AO, 0), AI, qs[0], tile=(2, 3), engine="cuda",
                        method="wavefront", base=base)
     # as many launches and GEMM calls as one item's solve: the items share every call
@@ -492,16 +493,22 @@ def test_gpu_stack_one_launch_equals_items(two_sided, dtype):
     """On the device: a stack of 6 ragged layers (100 x 70, tile 16) with per-item
     quantizers, per-item A_out and a shared A_in runs in one launch and equals the single
     anti-diagonal solves bitwise (float32 too: same kernel, same sums); in float64 it also
-    equals the single solves of method 'auto' (the wavefront) and the CPU reference."""
+    equals the single solves of method 'auto' (the wavefront), the stack's own 'auto' (the
+    wavefront in stack form) and the CPU reference."""
     cp = _cp()
     W, AO, AI, qs = _stack(8, 6, 100, 70, 16, 16, two_sided=two_sided, shared_in=True,
                            symmetric=not two_sided, dtype=dtype)
     Wd, AId = cp.asarray(W), cp.asarray(AI)
     AOd = None if AO is None else cp.asarray(AO)
-    res = bakron.solve(Wd, AOd, AId, qs, tile=16, engine="cuda", return_targets=True)
+    res = bakron.solve(Wd, AOd, AId, qs, tile=16, engine="cuda", method="antidiagonal",
+                       return_targets=True)
     assert res.info["stack"]["path"] == "engine solve_stack" and res.info["launches"] == 1
     assert res.method == "antidiagonal" and isinstance(res.values, cp.ndarray)
     got = cp.asnumpy(res.values)
+    auto = bakron.solve(Wd, AOd, AId, qs, tile=16, engine="cuda")   # 7 x 5 tiles > STACK_BASE
+    assert auto.method == "wavefront" and auto.info["stack"]["path"] == "engine solve_stack"
+    if dtype == np.float64:
+        np.testing.assert_array_equal(cp.asnumpy(auto.values), got)
     for i in range(6):
         one = bakron.solve(Wd[i], None if AOd is None else AOd[i], AId, qs[i], tile=16,
                            engine="cuda", method="antidiagonal", return_targets=True)
@@ -524,6 +531,8 @@ def test_gpu_stack_wavefront_equals_items_float64(two_sided, base):
     blocks, per-item A_out and quantizers, A_in shared) equals the single wavefront solves
     and the CPU reference exactly in float64, with the launches and GEMM calls of one
     item."""
+    from bakron.backends import numba_cuda as nc
+
     cp = _cp()
     W, AO, AI, qs = _stack(9, 5, 150, 90, 16, 16, two_sided=two_sided, shared_in=True)
     Wd, AId = cp.asarray(W), cp.asarray(AI)
@@ -531,10 +540,14 @@ def test_gpu_stack_wavefront_equals_items_float64(two_sided, base):
     res = bakron.solve(Wd, AOd, AId, qs, tile=16, engine="cuda", method="wavefront",
                        base=base)
     assert res.info["stack"]["path"] == "engine solve_stack"
+    assert res.info["base"] == (nc.STACK_BASE if base is None else base)
     got, codes = cp.asnumpy(res.values), cp.asnumpy(res.codes)
     for i in range(5):
+        # base=None: the stack's coarse blocks are STACK_BASE tiles (the single-layer rule
+        # picks its own); compare with single solves of the same blocks
         one = bakron.solve(Wd[i], None if AOd is None else AOd[i], AId, qs[i], tile=16,
-                           engine="cuda", method="wavefront", base=base)
+                           engine="cuda", method="wavefront",
+                           base=nc.STACK_BASE if base is None else base)
         if i == 0:
             assert (res.info["launches"], res.info["gemms"]) == (one.info["launches"],
                                                                  one.info["gemms"])

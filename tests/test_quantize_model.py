@@ -114,6 +114,32 @@ def test_float_export_keeps_the_source_dtype(models, tmp_path):
     assert meta["model.layers.0.mlp.up_proj.weight"]["dtype"] == "BF16"
 
 
+@pytest.mark.gpu
+def test_device_gpu_writes_the_same_kind_of_export(models, tmp_path):
+    """``device="gpu"``: factors and solves on cupy; the file reads back exactly as W_hat, and
+    its rounding is the CPU run's up to float32 near-ties (different GEMM orders)."""
+    from conftest import HAS_GPU
+
+    if not HAS_GPU:
+        pytest.skip("needs a CUDA device with cupy")
+    kw = dict(fmt="gguf-q4_0", factors="global", keep_weights=True, **FAST)
+    gpu = quantize_model(models / "tiny.gguf", tmp_path / "gpu.gguf", device="gpu", **kw)
+    cpu = quantize_model(models / "tiny.gguf", tmp_path / "cpu.gguf", device="cpu", **kw)
+    back = load_llm(tmp_path / "gpu.gguf")
+    same = total = 0
+    for name, W_hat in gpu["weights"].items():
+        assert isinstance(W_hat, np.ndarray)
+        np.testing.assert_array_equal(np.asarray(back.linear_weight(name)), W_hat)
+        same += int((W_hat == cpu["weights"][name]).sum())
+        total += W_hat.size
+    assert same >= 0.99 * total, (same, total)
+    orig = cpu["model_object"]
+    ids = orig.tokenize(["the theme of the text", "then the"])
+    kl_gpu = perplexity_and_kl(orig, back, ids)["kl"]
+    kl_cpu = perplexity_and_kl(orig, load_llm(tmp_path / "cpu.gguf"), ids)["kl"]
+    assert kl_gpu > 0 and abs(kl_gpu - kl_cpu) <= 0.2 * kl_cpu, (kl_gpu, kl_cpu)
+
+
 def test_resume_after_a_kill(models, tmp_path):
     full = tmp_path / "full.gguf"
     quantize_model(models / "tiny.gguf", full, fmt="gguf-q4_0", factors="global", **FAST)

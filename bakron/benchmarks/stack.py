@@ -143,10 +143,14 @@ def run_point(B, m, n, *, tile=16, bits=2, dtype="float32", workers=(1,), repeat
     # bitwise against the single solves of the method the stack ran; and how many entries
     # differ from the single solves of method "auto" (0 in float64; near-ties in float32
     # when the stack ran another method than auto's, docs/stacks.md)
+    # (same coarse blocks: the stack's wavefront reports its base, which can differ from the
+    # single-layer rule's)
     same, differ = True, 0
+    base = {"base": res.info["base"]} if res.info.get("base") else {}
     for i in range(B):
         one = bakron.solve(W[i], A_out[i], A_in[i], qs[i], tile=tile, engine=engine,
-                           method=res.method if "," not in res.method else "auto").values
+                           method=res.method if "," not in res.method else "auto",
+                           **base).values
         same = same and bool(xp.all(res.values[i] == one))
         auto = bakron.solve(W[i], A_out[i], A_in[i], qs[i], tile=tile, engine=engine).values
         differ += int(xp.sum(res.values[i] != auto))
