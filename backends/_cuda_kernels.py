@@ -89,15 +89,21 @@ def chunk_for(tx: int, ty: int, itemsize: int) -> int:
     return int(kc)
 
 
-def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
+def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
+                items: bool = False):
     """The block kernel for ``dtype_name`` ('float32'/'float64') and a ``tx x ty`` tile.
 
     ``mode='ptr'``: compiled eagerly with raw-pointer arguments (launch with integers);
     ``mode='array'``: lazily compiled with flat 1-D array arguments (simulator, or fallback).
-    ``maxreg``: register cap per thread (0: the compiler's choice). Returns
+    ``maxreg``: register cap per thread (0: the compiler's choice). ``items``: the variant
+    for stacks, which reads each block's item offsets from its descriptor; without it the
+    offsets are the constant 0 (a single solve), which keeps nine 64-bit offsets out of the
+    registers of the tile loop (measured on the H200: the single-solve kernel with the
+    offsets read took 4-14 % longer, docs/benchmarks/h200.md). Returns
     ``(dispatcher, threads)``.
     """
-    key = (dtype_name, tx, ty, mode, maxreg)
+    key = (dtype_name, tx, ty, mode, maxreg, bool(items))
+    ITEMS = bool(items)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
@@ -197,13 +203,21 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0):
                 cb = desc[d + DESC_CB]
                 f_off = desc[d + DESC_F_OFFSET]
                 f_ld = desc[d + DESC_F_LD]
-                w_off = desc[d + DESC_W_OFFSET]
-                o_off = desc[d + DESC_OUT_OFFSET]
-                e_off = desc[d + DESC_E_OFFSET]
-                ao_off = desc[d + DESC_AO_OFFSET]
-                ai_off = desc[d + DESC_AI_OFFSET]
-                s_off = desc[d + DESC_S_OFFSET]
-                z_off = desc[d + DESC_Z_OFFSET]
+                w_off = 0
+                o_off = 0
+                e_off = 0
+                ao_off = 0
+                ai_off = 0
+                s_off = 0
+                z_off = 0
+                if ITEMS:  # a compile-time constant: single solves fold the offsets to 0
+                    w_off = desc[d + DESC_W_OFFSET]
+                    o_off = desc[d + DESC_OUT_OFFSET]
+                    e_off = desc[d + DESC_E_OFFSET]
+                    ao_off = desc[d + DESC_AO_OFFSET]
+                    ai_off = desc[d + DESC_AI_OFFSET]
+                    s_off = desc[d + DESC_S_OFFSET]
+                    z_off = desc[d + DESC_Z_OFFSET]
                 if two:  # tile rem of the block's anti-diagonal s (top row first)
                     a = ra + alo + rem
                     b = ca + (s - (alo + rem))

@@ -148,10 +148,12 @@ class _DeviceSolve:
         self.s_shape = tuple(int(v) for v in self.S.shape)
         self.z_shape = (1, 1) if self.Z is None else tuple(int(v) for v in self.Z.shape)
 
-    def _setup(self, p):
+    def _setup(self, p, items: bool = False):
         """What does not depend on the arrays: sizes, the quantizer's kind, the kernel, the
-        stream (``p``'s quantizer stands for every item of a stack)."""
+        stream (``p``'s quantizer stands for every item of a stack; ``items``: the kernel
+        variant that reads the blocks' item offsets)."""
         self.p = p
+        self.items = bool(items)
         if SIM:
             self.mod = np
         else:
@@ -167,7 +169,7 @@ class _DeviceSolve:
                        | (HAS_T if p.record_targets else 0))
         self.kernel, self.nt = _kernels().make_kernel(self.dtname, p.tx, p.ty,
                                              "array" if (SIM or LAUNCH == "array") else "ptr",
-                                             0 if SIM else MAXREG)
+                                             0 if SIM else MAXREG, items=self.items)
         self.launches = 0
         self.gemms = 0
         if SIM:
@@ -186,7 +188,7 @@ class _DeviceSolve:
     def max_grid(self) -> int:
         if SIM:
             return 1
-        key = (self.dtname, self.p.tx, self.p.ty, LAUNCH, MAXREG, self.dev)
+        key = (self.dtname, self.p.tx, self.p.ty, LAUNCH, MAXREG, self.items, self.dev)
         g = _MAXGRID.get(key)
         if g is None:
             cuda = _cuda()
@@ -270,7 +272,7 @@ class _DeviceSolve:
                         raise
                     _fallback_to_arrays(exc)
                     self.kernel, self.nt = _kernels().make_kernel(
-                        self.dtname, p.tx, p.ty, "array", MAXREG)
+                        self.dtname, p.tx, p.ty, "array", MAXREG, items=self.items)
                     self.launches -= 1
                     return self.launch(desc, first, nblk, nsteps, grid, flags, F, Yg, period)
             else:
@@ -729,7 +731,7 @@ class _StackSolve(_DeviceSolve):
     starts in each (``_cuda_layout.block_row``)."""
 
     def __init__(self, chunk, p, tables):
-        self._setup(p)
+        self._setup(p, items=True)
         mod = self.mod
         m, n = p.m, p.n
         items = np.arange(chunk.start, chunk.stop)
@@ -932,12 +934,14 @@ def solve_stack(chunk):
         v = chunk.values
         chunk.codes = (np if SIM else _cupy()).zeros(tuple(v.shape), dtype=np.int16)
     r = _StackSolve(chunk, p, tables)
+    base = None
     if method == "antidiagonal":
         ran = _stack_antidiagonal(r)
     else:
-        ran = _stack_wavefront(r, max(1, int(STACK_BASE if chunk.base is None
-                                             else chunk.base)))
+        base = max(1, int(STACK_BASE if chunk.base is None else chunk.base))
+        ran = _stack_wavefront(r, base)
     return [{"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms, "method": method,
+             "base": base,
              "engine": NAME, "stack_run": ran} for _ in range(r.nb)]
 
 
