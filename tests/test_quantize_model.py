@@ -324,15 +324,6 @@ def test_cli_errors(models, tmp_path, capsys):
 
 # -- SmolLM2 (the built-in model; skipped when it cannot be fetched) ---------------------------
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from bakron.models.llm import ChecksumError, ModelUnavailableError
-
-    try:
-        return load_llm("smollm2")
-    except (ModelUnavailableError, ChecksumError, OSError) as exc:
-        pytest.skip(f"SmolLM2 cannot be fetched here: {exc}")
-
 
 @pytest.mark.slow
 def test_smollm2_q4_0_file_equals_the_in_memory_model(smollm2, tmp_path):

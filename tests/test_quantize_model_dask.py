@@ -240,16 +240,6 @@ def test_worker_processes_write_the_same_export(models, tmp_path, local_exports)
         assert out.read_bytes() == local_exports["global"][0].read_bytes()
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from bakron.models import load_llm
-    from bakron.models.llm import ChecksumError, ModelUnavailableError
-
-    try:
-        return load_llm("smollm2")
-    except (ModelUnavailableError, ChecksumError, OSError) as exc:
-        pytest.skip(f"SmolLM2 cannot be fetched here: {exc}")
-
 
 @pytest.mark.slow
 def test_smollm2_dask_export_equals_the_local_one(smollm2, tmp_path, client):
