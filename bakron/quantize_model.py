@@ -1,9 +1,9 @@
 """``bakron quantize-model``: a model checkpoint in, a deployable quantized model out.
 
 :func:`quantize_model` loads a Llama-family causal LM (a Hugging Face folder of
-``LlamaForCausalLM`` / ``Qwen3ForCausalLM``, a llama-architecture GGUF file, or the built-in
-``"smollm2"``), collects Hessian factors on calibration text, rounds every linear layer onto
-the export format's own grid and writes the export:
+``LlamaForCausalLM`` / ``Qwen3ForCausalLM``, a ``llama`` or ``qwen3`` GGUF file, or the
+built-in ``"smollm2"``), collects Hessian factors on calibration text, rounds every linear
+layer onto the export format's own grid and writes the export:
 
 ==============  =================================  ============================================
 ``fmt``         grid                               written by
@@ -14,6 +14,11 @@ the export format's own grid and writes the export:
 ``gptq``        GPTQ min/max grid, fp16 scales     :func:`bakron.export.write_gptq` (HF folder)
 ``float``       uniform min/max grid               :func:`bakron.export.write_dequantized` (HF)
 ==============  =================================  ============================================
+
+Any source goes to any format: a Hugging Face folder for a GGUF format is converted into
+``OUT.work/source.gguf`` (:func:`bakron.export.to_gguf.gguf_source_from_hf`), a GGUF source
+for ``gptq`` / ``float`` into ``OUT.work/source-hf/``
+(:func:`bakron.export.from_gguf.gguf_to_hf`); whether it can be is checked before any work.
 
 ``factors`` chooses the rounding: ``rtn`` (the grid's round-to-nearest, llama.cpp's rule for
 the GGUF grids; no calibration), ``input`` (one-sided LDLQ/GPTQ with each layer's input
@@ -273,8 +278,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     Parameters
     ----------
     model : str or path
-        ``"smollm2"``, a llama-architecture ``.gguf`` file or a Hugging Face folder
-        (:func:`bakron.models.load_llm`).
+        ``"smollm2"``, a ``llama`` or ``qwen3`` ``.gguf`` file or a Hugging Face folder
+        (:func:`bakron.models.load_llm`); converted to the format's kind of source when it
+        is of the other kind.
     out : path
         The export: a GGUF file (``gguf-*``) or a folder (``gptq``, ``float``); must not
         exist. Its work folder ``OUT.work`` holds the finished layers until the end.
@@ -321,7 +327,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
 
     Raises :class:`~bakron.io.InputError` (bad argument, a format that cannot hold the grid
-    or the model's shapes, a work folder of another run), :class:`~bakron.io.OutputExistsError`
+    or the model's shapes, a source that cannot be converted to the format's kind, a work
+    folder of another run), :class:`~bakron.io.OutputExistsError`
     (``out`` exists), ``ClusterUnavailable`` of ``bakron.distributed._model_jobs`` (Dask
     missing, the scheduler unreachable, fewer GPUs than ``gpus``; raised before the model is
     loaded), and the loader's errors (:func:`bakron.models.load_llm`).

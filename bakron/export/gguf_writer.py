@@ -50,8 +50,9 @@ class GGUFSource:
     ``tensors`` maps GGUF tensor names (``token_embd.weight``, ``blk.0.attn_q.weight``, ...)
     to numpy arrays (float32, float16, or other types ``gguf`` writes), matrices as
     (out, in), or to pairs ``(data, gguf.GGMLQuantizationType)`` of a tensor already in a
-    GGML type (F32/F16 as arrays, every other type as its bytes, uint8); ``metadata`` maps GGUF keys to values, either plain (str, bool, float, int --
-    ints are written as UINT32, or INT32 when negative -- or lists of those) or a pair
+    GGML type (F32/F16 as arrays, every other type as its bytes, uint8); ``metadata`` maps
+    GGUF keys to values, either plain (str, bool, float, int -- ints are written as UINT32,
+    or INT32 when negative -- or lists of those) or a pair
     ``(value, gguf.GGUFValueType)``. ``qk_order`` is the row order of Q and K in ``tensors``.
     """
 
