@@ -221,10 +221,6 @@ def _check_convertible(lm, to, fmt, model):
         if to == "hf":
             lm.config.to_hf()
         else:
-            if lm.config.rope_scaling is not None:
-                raise UnsupportedModelError(
-                    "its Llama 3 RoPE scaling goes into a GGUF as llama.cpp's rope_freqs "
-                    "tensor, which bakron's converter does not compute")
             if lm.tokenizer is None:
                 raise UnsupportedModelError("it has no tokenizer.json")
             lm.tokenizer.gguf_fields(lm.config.vocab_size)

@@ -227,12 +227,6 @@ def test_converters_refuse_what_they_cannot_write(tmp_path):
     write_hf_folder(tmp_path / "notok", cfg, w)
     with pytest.raises(UnsupportedModelError, match="no tokenizer.json"):
         gguf_source_from_hf(tmp_path / "notok", tmp_path / "x.gguf")
-    tok = load_llm(tmp_path / "m.gguf").tokenizer
-    write_hf_folder(tmp_path / "l3", cfg, w, tokenizer=tok, extra={"rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}})
-    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
-        gguf_source_from_hf(tmp_path / "l3", tmp_path / "x.gguf")
     rope = np.linspace(1.0, 8.0, cfg.head_dim // 2).astype(np.float32)
     write_gguf(tmp_path / "freqs.gguf", cfg, w, extra_tensors={"rope_freqs.weight": (rope, Q.F32)})
     with pytest.raises(UnsupportedModelError, match="rope_freqs"):
@@ -241,6 +235,42 @@ def test_converters_refuse_what_they_cannot_write(tmp_path):
     with pytest.raises(UnsupportedModelError, match="architecture 'gpt2'"):
         gguf_to_hf(tmp_path / "gpt2.gguf", tmp_path / "z")
     assert not any(p.name.startswith((".", "x", "y", "z")) for p in tmp_path.iterdir())
+
+
+def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path):
+    """A Hugging Face folder with Llama 3's RoPE scaling: the GGUF holds llama.cpp's
+    rope_freqs divisors (the tests' own derivation, test_llm_loaders) and its forward equals
+    the folder's."""
+    cfg = tiny_config()
+    w = tiny_weights(cfg, seed=7)
+    write_gguf(tmp_path / "tok.gguf", cfg, w)
+    tok = load_llm(tmp_path / "tok.gguf").tokenizer
+    write_hf_folder(tmp_path / "l3", cfg, w, tokenizer=tok, extra={"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}})
+    g = gguf_source_from_hf(tmp_path / "l3", tmp_path / "l3.gguf")
+    hd = cfg.head_dim
+    freqs = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
+    want = []
+    for f in freqs:
+        wave = 2 * np.pi / f
+        smooth = (64 / wave - 1.0) / (4.0 - 1.0)
+        want.append(1.0 if wave < 16 else 8.0 if wave > 64 else
+                    1.0 / ((1 - smooth) / 8.0 + smooth))
+    assert len(set(want)) == 3   # all three regimes
+    got = values(gguf_tensors(g)["rope_freqs.weight"])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    a, b = load_llm(tmp_path / "l3", dtype="float64"), load_llm(g, dtype="float64")
+    assert b.config.rope_freq_factors == tuple(float(x) for x in got)
+    ids = list(range(1, 40))
+    np.testing.assert_allclose(np.asarray(b.logits(ids)), np.asarray(a.logits(ids)), atol=1e-5)
+    out = tmp_path / "l3.Q8_0.gguf"
+    res = quantize_model(tmp_path / "l3", out, fmt="gguf-q8_0", factors="rtn",
+                         keep_weights=True, **FAST)
+    back = load_llm(out)
+    assert back.config.rope_freq_factors == b.config.rope_freq_factors
+    for name, W_hat in res["weights"].items():
+        np.testing.assert_array_equal(np.asarray(back.linear_weight(name)), W_hat)
 
 
 def test_config_to_hf_round_trips_llama3_scaling_and_reads_rope_parameters():

@@ -4,7 +4,8 @@ writes for ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``), as the source of the 
 :func:`gguf_source_from_hf` writes every tensor in its stored type (F32, F16, BF16, same
 bits) under its GGUF name, the rows of ``attn_q`` / ``attn_k`` of ``llama`` models in
 llama.cpp's rotary layout (the LLM loader's :func:`~bakron.models.llm.gguf_file.permute_rows`),
-the architecture's hyper-parameters and the tokenizer as ``tokenizer.ggml.*``
+the architecture's hyper-parameters, Llama 3's RoPE scaling as llama.cpp's ``rope_freqs``
+tensor (:func:`rope_freqs`), and the tokenizer as ``tokenizer.ggml.*``
 (:meth:`~bakron.models.llm.tokenizer.Tokenizer.gguf_fields`; the pre-tokenizer's name is
 chosen by how ``tokenizer.json`` splits text). :func:`bakron.export.write_gguf` then copies
 it with the quantized linears.
@@ -61,6 +62,32 @@ def _tensors(gguf, folder, cfg, raw):
         else:
             out.append((g, a, Q.F32 if dtype == "F32" else Q.F16))
     return out
+
+
+def rope_freqs(cfg) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` tensor of a config with Llama 3's RoPE scaling: one divisor
+    per rotary frequency (1 for short wavelengths, ``factor`` for long ones, the smooth
+    blend's between), computed as llama.cpp's converter does (float32 frequencies)."""
+    import math
+
+    s = cfg.rope_scaling_dict()
+    factor = float(s.get("factor", 8.0))
+    lo, hi = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    ctx = float(s.get("original_max_position_embeddings", 8192))
+    hd = cfg.head_dim
+    exps = np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)
+    freqs = (np.float32(1.0) / np.float32(cfg.rope_theta) ** exps).astype(np.float32)
+    out = []
+    for f in freqs.astype(np.float64):
+        wave = 2 * math.pi / f
+        if wave < ctx / hi:
+            out.append(1.0)
+        elif wave > ctx / lo:
+            out.append(factor)
+        else:
+            smooth = (ctx / wave - lo) / (hi - lo)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
 
 
 def _metadata(gguf, folder, config, cfg, tok, others, file_type):
@@ -121,9 +148,8 @@ def gguf_source_from_hf(hf_dir, path) -> Path:
 
     Raises :class:`~bakron.models.llm.UnsupportedModelError` (a ``ValueError``) for what
     this converter cannot write: no ``tokenizer.json`` (a GGUF carries its tokenizer), a
-    tokenizer that is not byte-level BPE or whose pre-tokenizer is unknown, Llama 3's RoPE
-    scaling (llama.cpp stores it as a ``rope_freqs`` tensor this converter does not compute),
-    tensors outside the model; :class:`~bakron.io.InputError` for a folder that is not a
+    tokenizer that is not byte-level BPE or whose pre-tokenizer is unknown, tensors outside
+    the model; :class:`~bakron.io.InputError` for a folder that is not a
     model, :class:`~bakron.io.OutputExistsError` when ``path`` exists.
     """
     from .gguf_writer import _gguf, _Tensor, _write_file
@@ -135,10 +161,6 @@ def gguf_source_from_hf(hf_dir, path) -> Path:
     out = check_output_file(path)
     config, raw, other_files = read_folder(folder)
     cfg = LlamaConfig.from_hf(config)
-    if cfg.rope_scaling is not None:
-        raise UnsupportedModelError(
-            f"{folder}: Llama 3's RoPE scaling ({dict(cfg.rope_scaling)}) goes into a GGUF as "
-            f"llama.cpp's rope_freqs tensor, which this converter does not compute")
     others = {p.name: p for p in other_files}
     if "tokenizer.json" not in others:
         raise UnsupportedModelError(f"{folder}: no tokenizer.json; a GGUF file carries its "
@@ -149,6 +171,8 @@ def gguf_source_from_hf(hf_dir, path) -> Path:
     except ValueError as exc:
         raise UnsupportedModelError(str(exc)) from None
     tensors = _tensors(gguf, folder, cfg, raw)
+    if cfg.rope_scaling is not None:
+        tensors.append(("rope_freqs.weight", rope_freqs(cfg), gguf.GGMLQuantizationType.F32))
     mats = Counter(t.name for _n, a, t in tensors if a.ndim == 2)
     file_type = _FILE_TYPES[mats.most_common(1)[0][0]] if mats else 0
     kvs = _metadata(gguf, folder, config, cfg, tok, others, file_type)
