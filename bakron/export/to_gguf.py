@@ -130,10 +130,11 @@ def _metadata(gguf, folder, config, cfg, tok, others, file_type):
         except (OSError, ValueError):
             tconf = {}
     vocab = tok.backend.get_vocab(with_added_tokens=True)
-    pad = tconf.get("pad_token")
-    pad = pad.get("content") if isinstance(pad, dict) else pad
-    if isinstance(pad, str) and pad in vocab:
-        u32("tokenizer.ggml.padding_token_id", vocab[pad])
+    for key, name in (("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+        t = tconf.get(key)
+        t = t.get("content") if isinstance(t, dict) else t
+        if isinstance(t, str) and t in vocab:
+            u32(f"tokenizer.ggml.{name}", vocab[t])
     for key in ("add_bos_token", "add_eos_token"):
         if isinstance(tconf.get(key), bool):
             kv.append((f"tokenizer.ggml.{key}", tconf[key], T.BOOL, None))
