@@ -211,19 +211,25 @@ def _conversion(kind, fmt) -> str | None:
     return "hf" if kind == "gguf" else None
 
 
-def _check_convertible(lm, to, fmt, model):
-    """``InputError`` naming the format and the reason when the loaded model ``lm`` cannot be
-    written as the other kind of source (checked before any work)."""
+def _check_convertible(lm, src, to, fmt, model):
+    """``InputError`` naming the format and the reason when the loaded model ``lm`` (read
+    from ``src``) cannot be written as the other kind of source (checked before any work)."""
     from .models.llm.config import UnsupportedModelError
 
     what = "a GGUF file" if to == "gguf" else "a Hugging Face folder"
     try:
         if to == "hf":
+            from .export.from_gguf import check_tensor_names
+
             lm.config.to_hf()
+            check_tensor_names(src)
         else:
+            from .export.to_gguf import check_tensor_names
+
             if lm.tokenizer is None:
                 raise UnsupportedModelError("it has no tokenizer.json")
             lm.tokenizer.gguf_fields(lm.config.vocab_size)
+            check_tensor_names(src)
     except UnsupportedModelError as exc:
         raise InputError(f"--format {fmt} writes {what}; {model} cannot be converted to one: "
                          f"{exc}") from None
@@ -407,7 +413,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             src = model_file(str(model).lower(), cache, wheel=wheel)
         convert = _conversion(kind, fmt)
         if convert is not None:   # before any work: can the source be written as the other kind?
-            _check_convertible(lm, convert, fmt, model)
+            _check_convertible(lm, src, convert, fmt, model)
         names = list(lm.linear_names())
         for name in names:   # every layer's shape must fit the grid before any work
             m, n = lm.linear_weight(name).shape

@@ -431,10 +431,24 @@ def test_cli_bad_sources(models, tmp_path, capsys):
     out = tmp_path / "o-freqs"
     check(_cli(tmp_path / "freqs.gguf", out, "--format", "float"),
           "--format float writes a Hugging Face folder", out)
+    extra = np.ones((4, 4), np.float32)
+    write_gguf(tmp_path / "extra.gguf", cfg, w, extra_tensors={"extra.weight": (extra, Q.F32)})
+    out = tmp_path / "o-extra"
+    check(_cli(tmp_path / "extra.gguf", out, "--format", "gptq", "--group-size", "32"),
+          "'extra.weight' has no Hugging Face counterpart", out)
+    src_tok = load_llm(models / "llama.gguf").tokenizer
+    write_hf_folder(tmp_path / "hfextra", cfg, dict(w), tokenizer=src_tok)
+    from bakron import _safetensors
+
+    _safetensors.save(tmp_path / "hfextra" / "model.safetensors", {
+        **_safetensors.load(tmp_path / "hfextra" / "model.safetensors"),
+        "model.vision_tower.weight": extra})
+    out = tmp_path / "o-hfextra.gguf"
+    check(_cli(tmp_path / "hfextra", out, "--format", "gguf-q8_0"),
+          "'model.vision_tower.weight' is not part of a llama", out)
     write_hf_folder(tmp_path / "notok", cfg, w)
     out = tmp_path / "o-notok.gguf"
     check(_cli(tmp_path / "notok", out, "--format", "gguf-q4_0"), "no tokenizer.json", out)
-    src_tok = load_llm(models / "llama.gguf").tokenizer
     write_hf_folder(tmp_path / "ws", cfg, w, tokenizer=src_tok)
     spec = json.loads((tmp_path / "ws" / "tokenizer.json").read_text())
     spec["pre_tokenizer"] = {"type": "Whitespace"}

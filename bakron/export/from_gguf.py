@@ -25,23 +25,38 @@ _FLOAT_TYPES = {"F32": ("F32", np.float32), "F16": ("F16", np.float16), "BF16": 
 _TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
+def check_tensor_names(path, names=None) -> None:
+    """``UnsupportedModelError`` naming the first tensor of the GGUF ``path`` that has no
+    Hugging Face name (a tensor outside a ``llama`` / ``qwen3`` model)."""
+    from ..models.llm.config import UnsupportedModelError
+    from ..models.llm.hf_folder import hf_name
+
+    if names is None:
+        from gguf import GGUFReader
+
+        names = [t.name for t in GGUFReader(str(path), "r").tensors]
+    for name in names:
+        try:
+            hf_name(name)
+        except KeyError:
+            raise UnsupportedModelError(f"{path}: tensor {name!r} has no Hugging Face "
+                                        f"counterpart in a llama or qwen3 model") from None
+
+
 def _hf_tensors(path, model):
     """{Hugging Face name: (array, safetensors dtype)} of the GGUF ``path`` read as
     ``model`` (:func:`~bakron.models.llm.gguf_file.read_gguf`'s result)."""
     from gguf import GGUFReader
 
-    from ..models.llm.config import UnsupportedModelError
     from ..models.llm.gguf_file import unpermute_rows
     from ..models.llm.hf_folder import hf_name
 
     cfg = model.config
     out = {}
-    for t in GGUFReader(str(path), "r").tensors:
-        try:
-            name = hf_name(t.name)
-        except KeyError:
-            raise UnsupportedModelError(f"{path}: tensor {t.name!r} has no Hugging Face "
-                                        f"counterpart in a {cfg.arch} model") from None
+    tensors = GGUFReader(str(path), "r").tensors
+    check_tensor_names(path, [t.name for t in tensors])
+    for t in tensors:
+        name = hf_name(t.name)
         kind = t.tensor_type.name
         if kind in _FLOAT_TYPES:
             dtype, np_type = _FLOAT_TYPES[kind]

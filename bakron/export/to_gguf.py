@@ -26,6 +26,21 @@ __all__ = ["gguf_source_from_hf"]
 _FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32}   # gguf.LlamaFileType.ALL_F32, MOSTLY_F16/BF16
 
 
+def check_tensor_names(folder, names=None) -> None:
+    """``UnsupportedModelError`` naming the first tensor of the Hugging Face folder that has
+    no GGUF name (a tensor outside a ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``; the
+    rotary ``inv_freq`` buffer, which every consumer recomputes, is left out)."""
+    from ..models.llm.config import UnsupportedModelError
+    from ..models.llm.hf_folder import _shards, gguf_name
+
+    if names is None:
+        names = list(_shards(Path(folder)))
+    for name in names:
+        if gguf_name(name) is None and not name.endswith("rotary_emb.inv_freq"):
+            raise UnsupportedModelError(f"{folder}: tensor {name!r} is not part of a llama "
+                                        f"or qwen3 model bakron can convert")
+
+
 def _tensors(gguf, folder, cfg, raw):
     """[(GGUF name, data, GGML type)] of the folder's tensors ``raw`` {HF name: (array,
     dtype)}; the model's own tensors only, checked against the config."""
@@ -34,14 +49,12 @@ def _tensors(gguf, folder, cfg, raw):
     from ..models.llm.hf_folder import gguf_name
 
     Q = gguf.GGMLQuantizationType
+    check_tensor_names(folder, list(raw))
     named = {}
     for name, (arr, dtype) in raw.items():
         g = gguf_name(name)
-        if g is None:
-            if name.endswith("rotary_emb.inv_freq"):   # recomputed by every consumer
-                continue
-            raise UnsupportedModelError(f"{folder}: tensor {name!r} is not part of a "
-                                        f"{cfg.arch} model bakron can convert")
+        if g is None:   # the rotary inv_freq buffer
+            continue
         if dtype not in ("F32", "F16", "BF16"):
             raise UnsupportedModelError(f"{folder}: tensor {name!r} is stored as {dtype}; "
                                         f"only F32, F16 and BF16 can be converted")
