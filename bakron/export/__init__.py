@@ -2,6 +2,8 @@
 
 :mod:`bakron.export.grids` holds the tile quantizers that round onto exactly the formats'
 grids; the writers turn a quantized layer's ``W_hat`` into the format's bytes without loss.
+:func:`gguf_to_hf` and :func:`gguf_source_from_hf` convert a source between the two kinds
+(GGUF file, Hugging Face folder), so that any source can be written in any format.
 """
 from ._hf import hf_linear_name
 from .float_export import write_dequantized
