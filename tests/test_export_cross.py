@@ -375,7 +375,7 @@ def test_hf_source_to_gguf(models, tmp_path, arch, fmt):
                                   np.asarray(orig.with_weights(res["weights"]).log_probs(ids)))
 
 
-def test_resume_keeps_the_converted_source(models, tmp_path):
+def test_resume_keeps_the_converted_source(models, tmp_path, monkeypatch):
     full = tmp_path / "full"
     quantize_model(models / "llama.gguf", full, fmt="gptq", factors="input", group_size=32,
                    **FAST)
@@ -393,6 +393,12 @@ def test_resume_keeps_the_converted_source(models, tmp_path):
     assert not out.exists()
     converted = work_folder(out) / "source-hf"
     assert (converted / "config.json").is_file()
+    import bakron.export.from_gguf as from_gguf
+
+    def again(*a, **k):
+        raise AssertionError("the resumed run converted the source again")
+
+    monkeypatch.setattr(from_gguf, "gguf_to_hf", again)   # the finished copy is reused
     res = quantize_model(models / "llama.gguf", out, fmt="gptq", factors="input", group_size=32,
                          **FAST)
     assert res["resumed"] == 4
