@@ -255,17 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
         "quantize-model", help="quantize a whole causal LM (HF folder, GGUF, smollm2) into "
         "a GGUF, GPTQ or float export",
         description="Quantize every linear layer of a Llama-family causal LM (a Hugging Face "
-        "folder of LlamaForCausalLM/Qwen3ForCausalLM, a llama GGUF file, or smollm2) onto the "
-        "export format's grid and write the export. Finished layers are kept in OUT.work/; a "
-        "killed run started again with the same arguments continues from them.")
-    qm.add_argument("model", metavar="MODEL", help="smollm2, a .gguf file or a Hugging Face "
-                    "model folder")
+        "folder of LlamaForCausalLM/Qwen3ForCausalLM, a llama or qwen3 GGUF file, or smollm2) "
+        "onto the export format's grid and write the export. Any source goes to any format: a "
+        "source of the other kind is converted into OUT.work/ first. Finished layers are kept "
+        "in OUT.work/; a killed run started again with the same arguments continues from "
+        "them.")
+    qm.add_argument("model", metavar="MODEL", help="smollm2, a .gguf file (llama or qwen3) or "
+                    "a Hugging Face model folder")
     qm.add_argument("--out", required=True, metavar="OUT", help="the export: a .gguf file "
                     "(gguf-*) or a folder (gptq, float); must not exist")
     qm.add_argument("--format", dest="fmt", choices=QM_FORMATS, default="gguf-q4_0",
-                    help="gguf-q4_0|q4_1|q8_0 (llama.cpp blocks of 32; GGUF source), gptq "
-                         "(packed safetensors) or float (W_hat in the source dtype); gptq and "
-                         "float need a Hugging Face source (default gguf-q4_0)")
+                    help="gguf-q4_0|q4_1|q8_0 (llama.cpp blocks of 32; a GGUF file), gptq "
+                         "(packed safetensors) or float (W_hat in the source dtype), both a "
+                         "Hugging Face folder; a source of the other kind is converted first "
+                         "(default gguf-q4_0)")
     qm.add_argument("--factors", choices=QM_FACTORS, default="global",
                     help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in; "
                          "global: two-sided with both factors of the KL-Fisher; "

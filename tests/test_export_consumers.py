@@ -1,5 +1,7 @@
 """The exports read by a consumer of its own: transformers (with torch) loads the float folder
-and the GGUF file that ``quantize_model`` wrote, and its forward pass gives bakron's logits.
+and the GGUF file that ``quantize_model`` wrote (from a source of the same kind and across
+kinds), and the Hugging Face folder ``gguf_to_hf`` writes; its forward pass gives bakron's
+logits.
 
 transformers reads a GGUF with its own code (metadata to config, llama.cpp's Q/K row order
 undone, the block formats de-quantized by the ``gguf`` package); it checks the names, the
@@ -73,3 +75,64 @@ def test_transformers_reads_the_gguf_export(models, tmp_path, fmt):
     # transformers' de-quantization of a linear (its row order) is W_hat
     q = hf.model.layers[1].mlp.down_proj.weight.detach().numpy()
     np.testing.assert_array_equal(q, res["weights"]["blk.1.ffn_down"])
+
+
+# -- across formats: a GGUF source to Hugging Face folders, an HF source to GGUF ---------------
+
+def _qwen3_cfg():
+    from bakron.models.llm import LlamaConfig
+
+    return LlamaConfig(**{**tiny_config("qwen3", tied=False).__dict__, "head_dim": 16})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_transformers_reads_the_folder_converted_from_gguf(tmp_path, arch):
+    """gguf_to_hf: config.json (rope_parameters), the weights (Q/K rows back in HF order) and
+    tokenizer.json load in transformers; its logits are bakron's of the GGUF."""
+    from bakron.export.from_gguf import gguf_to_hf
+
+    cfg = tiny_config(tied=False) if arch == "llama" else _qwen3_cfg()
+    write_gguf(tmp_path / "m.gguf", cfg, tiny_weights(cfg, seed=9))
+    folder = gguf_to_hf(tmp_path / "m.gguf", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    lm = load_llm(tmp_path / "m.gguf")
+    _assert_same_logits(hf, lm)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    text = " the 12 theme <|endoftext|> then"
+    assert tok.encode(text, add_special_tokens=False) == lm.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("fmt", ["float", "gptq"])
+def test_transformers_reads_the_hf_exports_of_a_gguf_source(models, tmp_path, fmt):
+    if fmt == "gptq":   # transformers loads GPTQ checkpoints through gptqmodel's kernels
+        pytest.importorskip("gptqmodel")
+    out = tmp_path / fmt
+    res = quantize_model(models / "tiny.gguf", out, fmt=fmt, factors="global", bits=4,
+                         group_size=16, keep_weights=True, **FAST)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    if fmt == "float":
+        lm = load_llm(out)
+        _assert_same_logits(hf, lm)
+        q = hf.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+        np.testing.assert_array_equal(q, res["weights"]["blk.0.attn_q"])
+    else:
+        lm = res["model_object"].with_weights(res["weights"])
+        for ids in IDS:
+            want = np.asarray(lm.logits(ids), dtype=np.float64)
+            got = _hf_logits(hf.to("cpu"), ids)
+            assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()   # fp16 kernels
+
+
+@pytest.mark.parametrize("fmt", ["gguf-q4_0", "gguf-q8_0"])
+def test_transformers_reads_the_gguf_export_of_an_hf_source(models, tmp_path, fmt):
+    out = tmp_path / "q.gguf"
+    res = quantize_model(models / "hf32", out, fmt=fmt, factors="global", keep_weights=True,
+                         **FAST)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name,
+                                                           dtype=torch.float32)
+    lm = load_llm(out)
+    _assert_same_logits(hf, lm)
+    for layer, name in ((0, "blk.0.attn_q"), (1, "blk.1.attn_k")):   # llama.cpp's order undone
+        attn = hf.model.layers[layer].self_attn
+        q = (attn.q_proj if name.endswith("q") else attn.k_proj).weight.detach().numpy()
+        np.testing.assert_array_equal(q, res["weights"][name])

@@ -382,3 +382,30 @@ def test_hf_order_needs_the_head_counts(tmp_path):
     write_gguf(tmp_path / "c.gguf", GGUFSource("qwen3", meta, w), layers)
     t = read_back(tmp_path / "c.gguf")[2]
     assert np.array_equal(dequant(t["blk.0.attn_q.weight"]), w["blk.0.attn_q.weight"])
+
+
+def test_gguf_source_takes_ggml_typed_tensors(tmp_path):
+    """A GGUFSource tensor given as (bytes, GGML type) is written in that type, its bytes
+    unchanged (Q/K rows permuted as whole rows when the source is in the HF order)."""
+    w = hf_weights(2)
+    T = gguf.GGMLQuantizationType
+    emb = gguf_quantize(w["token_embd.weight"], T.BF16)            # uint8 bytes
+    k8 = gguf_quantize(w["blk.0.attn_k.weight"], T.Q8_0)           # HF order, Q8_0 bytes
+    tensors = dict(w, **{"token_embd.weight": (emb, T.BF16), "blk.0.attn_k.weight": (k8, T.Q8_0),
+                         "blk.1.attn_norm.weight": (w["blk.1.attn_norm.weight"], T.F32)})
+    layers = quantized_layers(w, {"blk.1.ffn_up": "Q4_0"})
+    out = write_gguf(tmp_path / "typed.gguf", GGUFSource("llama", METADATA, tensors), layers)
+    t = read_back(out)[2]
+    assert t["token_embd.weight"].tensor_type == T.BF16
+    assert np.array_equal(np.asarray(t["token_embd.weight"].data).view(np.uint8), emb)
+    assert t["blk.0.attn_k.weight"].tensor_type == T.Q8_0
+    assert np.array_equal(np.asarray(t["blk.0.attn_k.weight"].data).view(np.uint8),
+                          k8[qk_permutation(k8.shape[0], KV)])
+    assert np.array_equal(dequant(t["blk.1.attn_norm.weight"]), w["blk.1.attn_norm.weight"])
+    bad = dict(w, **{"token_embd.weight": (w["token_embd.weight"], T.BF16)})
+    with pytest.raises(ValueError, match="must be given as its bytes"):
+        write_gguf(tmp_path / "bad.gguf", GGUFSource("llama", METADATA, bad), layers)
+    odd = dict(w, **{"token_embd.weight": (emb[:, :7], T.Q8_0)})
+    with pytest.raises(ValueError, match="token_embd.weight"):
+        write_gguf(tmp_path / "bad.gguf", GGUFSource("llama", METADATA, odd), layers)
+    assert not (tmp_path / "bad.gguf").exists()

@@ -268,7 +268,7 @@ def test_cli_interrupt_keeps_the_finished_layers(models, tmp_path, capsys, monke
     (("--format", "gguf-q4_1", "--group-size", "64"), 2, "groups of 64"),
     (("--format", "gguf-q8_0", "--asym"), 2, "--sym/--asym"),
     (("--format", "gptq", "--bits", "3"), 2, "cannot represent a 3-bit grid"),
-    (("--format", "gptq",), 2, "Hugging Face source"),
+    (("--format", "gptq",), 2, "not a multiple of 128"),   # a GGUF source converts; 32 inputs
     (("--calib", "/nonexistent/calib.txt",), 2, "no such file"),
     (("--memory-budget", "lots"), 2, "number of bytes"),
 ])
@@ -288,8 +288,11 @@ def test_cli_errors(models, tmp_path, capsys):
     rc, out = _cli(models, tmp_path, "--format", "gptq", "--group-size", "48", model="hf")
     check(rc, 2, "not a multiple of 48", out)
     assert not out.exists()
-    rc, out = _cli(models, tmp_path, "--format", "gguf-q4_0", model="hf")
-    check(rc, 2, "GGUF source", out)
+    # an HF source for a GGUF format is converted, but not without its tokenizer
+    cfg = tiny_config()
+    write_hf_folder(tmp_path / "notok", cfg, tiny_weights(cfg))
+    rc, out = _cli(tmp_path, tmp_path, "--format", "gguf-q4_0", model="notok")
+    check(rc, 2, "no tokenizer.json", out)
     # OUT exists: never replaced
     (tmp_path / "there.gguf").write_bytes(b"keep")
     rc, out = _cli(models, tmp_path, out="there.gguf")

@@ -49,8 +49,10 @@ class GGUFSource:
 
     ``tensors`` maps GGUF tensor names (``token_embd.weight``, ``blk.0.attn_q.weight``, ...)
     to numpy arrays (float32, float16, or other types ``gguf`` writes), matrices as
-    (out, in); ``metadata`` maps GGUF keys to values, either plain (str, bool, float, int --
-    ints are written as UINT32, or INT32 when negative -- or lists of those) or a pair
+    (out, in), or to pairs ``(data, gguf.GGMLQuantizationType)`` of a tensor already in a
+    GGML type (F32/F16 as arrays, every other type as its bytes, uint8); ``metadata`` maps
+    GGUF keys to values, either plain (str, bool, float, int -- ints are written as UINT32,
+    or INT32 when negative -- or lists of those) or a pair
     ``(value, gguf.GGUFValueType)``. ``qk_order`` is the row order of Q and K in ``tensors``.
     """
 
@@ -122,10 +124,25 @@ def _read_source(gguf, source):
                if k not in _SKIP_KEYS]
         tensors = []
         for name, a in source.tensors.items():
+            if isinstance(a, tuple) and len(a) == 2 and isinstance(
+                    a[1], gguf.GGMLQuantizationType):   # already in a GGML type: its bytes
+                arr = np.ascontiguousarray(a[0])
+                if a[1] not in (gguf.GGMLQuantizationType.F32,
+                                gguf.GGMLQuantizationType.F16):
+                    if arr.dtype != np.uint8:
+                        raise ValueError(f"tensor {name!r} of type {a[1].name} must be given "
+                                         f"as its bytes (uint8), got dtype {arr.dtype}")
+                    try:
+                        gguf.quants.quant_shape_from_byte_shape(arr.shape, a[1])
+                    except ValueError as exc:
+                        raise ValueError(f"tensor {name!r}: {exc}") from None
+                tensors.append(_Tensor(name, arr, a[1]))
+                continue
             arr = np.asarray(a)
             if arr.dtype not in (np.float32, np.float16, np.int8, np.int16, np.int32):
                 raise ValueError(f"tensor {name!r} has dtype {arr.dtype}; a GGUFSource holds "
-                                 f"float32, float16, int8, int16 or int32 arrays")
+                                 f"float32, float16, int8, int16 or int32 arrays (or pairs "
+                                 f"(bytes, gguf.GGMLQuantizationType))")
             tensors.append(_Tensor(name, arr))
         return source.arch, kvs, tensors, source.qk_order, None
     path = Path(source)
@@ -260,7 +277,12 @@ def write_gguf(out, source, layers: dict, *, qk_order: str = "hf", force: bool =
         ftype = _FILE_TYPES[formats.pop()]
         kvs = [(k, ftype if k == "general.file_type" else v, vt, st) for k, v, vt, st in kvs]
 
-    # -- write ------------------------------------------------------------------------------
+    return _write_file(gguf, out, arch, kvs, plan, alignment, force=force)
+
+
+def _write_file(gguf, out, arch, kvs, plan, alignment=None, *, force=False):
+    """Write the GGUF ``out`` atomically: metadata ``kvs`` [(key, value, vtype, sub_type)]
+    and the tensors of ``plan`` [_Tensor] in order."""
     with atomic_output_file(out, force=force) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         try:

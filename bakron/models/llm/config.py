@@ -106,7 +106,18 @@ class LlamaConfig:
             raise UnsupportedModelError(
                 f"config.json describes {kind!r}; only LlamaForCausalLM and Qwen3ForCausalLM "
                 f"are supported")
+        # transformers >= 5 keeps theta and the scaling in "rope_parameters"; older configs
+        # have "rope_theta" and "rope_scaling" at the top level
+        params = cfg.get("rope_parameters") or None
+        if params is not None and not isinstance(params, dict):
+            raise UnsupportedModelError("config.json: rope_parameters is not one dict (per "
+                                        "layer-type RoPE is not implemented)")
         rope_scaling = cfg.get("rope_scaling") or None
+        theta = cfg.get("rope_theta", 10000.0)
+        if params is not None:
+            theta = params.get("rope_theta", theta)
+            if params.get("rope_type", params.get("type")) not in (None, "default"):
+                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if kind in (None, "default"):
@@ -138,7 +149,7 @@ class LlamaConfig:
                 num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or d // heads),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(theta),
                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 tie_embeddings=bool(tie), qk_norm=(arch == "qwen3"),
                 max_positions=int(cfg.get("max_position_embeddings", 2048)),
@@ -146,6 +157,42 @@ class LlamaConfig:
                 eos_id=None if eos is None else int(eos), rope_scaling=rope_scaling)
         except KeyError as exc:
             raise ValueError(f"config.json has no {exc.args[0]!r}") from None
+
+    def to_hf(self) -> dict:
+        """The Hugging Face ``config.json`` of this model (``LlamaForCausalLM`` or
+        ``Qwen3ForCausalLM``); :meth:`from_hf` reads it back to an equal config.
+
+        RoPE is written both ways: ``rope_parameters`` (transformers >= 5) and the older
+        top-level ``rope_theta`` / ``rope_scaling``. A model whose RoPE stretch is only known
+        as llama.cpp's per-frequency divisors (``rope_freq_factors``) has no Hugging Face form
+        here: ``UnsupportedModelError``.
+        """
+        if self.rope_freq_factors is not None:
+            raise UnsupportedModelError(
+                "the model's RoPE is stretched by llama.cpp's rope_freqs divisors; the "
+                "Hugging Face rope_scaling parameters they came from cannot be recovered")
+        scaling = self.rope_scaling_dict()
+        params = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if scaling is not None:
+            params = {**scaling, "rope_theta": self.rope_theta}
+        llama = self.arch == "llama"
+        out = {
+            "architectures": ["LlamaForCausalLM" if llama else "Qwen3ForCausalLM"],
+            "model_type": self.arch, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": self.max_positions,
+            "rms_norm_eps": self.rms_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": scaling, "rope_parameters": params,
+            "tie_word_embeddings": self.tie_embeddings, "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": self.bos_id,
+            "eos_token_id": self.eos_id, "use_cache": True}
+        if llama:
+            out["mlp_bias"] = False
+        else:
+            out.update({"use_sliding_window": False, "sliding_window": None})
+        return out
 
 
 def linear_names(cfg: LlamaConfig) -> list[str]:

@@ -30,7 +30,68 @@ PRE_TOKENIZERS = {
     "qwen2": (False, _QWEN2),
 }
 
-_CONTROL, _USER_DEFINED = 3, 4   # GGUF token types
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5   # GGUF token types
+
+
+def _pre_tokenizer(pre: str):
+    """The ``tokenizers`` pre-tokenizer of the GGUF pre-tokenizer name ``pre``."""
+    from tokenizers import Regex, pre_tokenizers
+
+    digits, pattern = PRE_TOKENIZERS[pre]
+    steps = []
+    if digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if pattern is None:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated"))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
+
+
+#: the name written for each way of splitting (the first name of PRE_TOKENIZERS llama.cpp
+#: itself writes for it)
+_PRE_NAMES = {(False, None): "gpt-2", (True, None): "smollm", (False, _LLAMA3): "llama-bpe",
+              (False, _QWEN2): "qwen2"}
+
+
+def _pre_signature(spec):
+    """(digits split one by one, split pattern or None) of a tokenizer.json pre_tokenizer,
+    or None when it is not one of the forms :func:`_pre_tokenizer` builds."""
+    if not isinstance(spec, dict):
+        return None
+    steps = spec.get("pretokenizers") if spec.get("type") == "Sequence" else [spec]
+    if not isinstance(steps, list):
+        return None
+    digits = False
+    if steps and steps[0].get("type") == "Digits":
+        if not steps[0].get("individual_digits"):
+            return None
+        digits, steps = True, steps[1:]
+    if len(steps) == 1 and steps[0].get("type") == "ByteLevel":
+        b = steps[0]
+        if b.get("add_prefix_space") or not b.get("use_regex", True):
+            return None
+        return digits, None
+    if len(steps) == 2 and steps[0].get("type") == "Split" and \
+            steps[1].get("type") == "ByteLevel":
+        split, b = steps
+        pattern = (split.get("pattern") or {}).get("Regex")
+        if (pattern is None or str(split.get("behavior", "")).lower() != "isolated"
+                or split.get("invert") or b.get("add_prefix_space") or b.get("use_regex")):
+            return None
+        return digits, pattern
+    return None
+
+
+def _pre_name(spec) -> str | None:
+    return _PRE_NAMES.get(_pre_signature(spec))
+
+
+def _is_byte_level(spec) -> bool:
+    dec = spec.get("decoder") or {}
+    return dec.get("type") == "ByteLevel" or any(
+        d.get("type") == "ByteLevel" for d in dec.get("decoders", []) or [])
 
 
 class Tokenizer:
@@ -67,7 +128,7 @@ class Tokenizer:
                          merges: Sequence[str], token_types: Sequence[int] | None = None,
                          bos_id=None, eos_id=None, source: str = "") -> "Tokenizer":
         """The tokenizer that the GGUF metadata describes (``tokenizer.ggml.*``)."""
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, decoders, models
         from tokenizers import Tokenizer as _Backend
 
         if model != "gpt2":
@@ -78,7 +139,6 @@ class Tokenizer:
             raise UnsupportedModelError(
                 f"{source}: pre-tokenizer {pre!r} is not supported (known: "
                 f"{', '.join(sorted(PRE_TOKENIZERS))})")
-        digits, pattern = PRE_TOKENIZERS[pre]
         vocab = {t: i for i, t in enumerate(tokens)}
         if len(vocab) != len(tokens):
             raise ValueError(f"{source}: tokenizer.ggml.tokens has duplicate entries")
@@ -89,15 +149,7 @@ class Tokenizer:
                 raise ValueError(f"{source}: malformed merge {m!r} in tokenizer.ggml.merges")
             pairs.append((a, b))
         backend = _Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
-        steps = []
-        if digits:
-            steps.append(pre_tokenizers.Digits(individual_digits=True))
-        if pattern is None:
-            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-        else:
-            steps.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated"))
-            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-        backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        backend.pre_tokenizer = _pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         if token_types is not None:
             special = [AddedToken(tokens[i], special=True, normalized=False)
@@ -105,6 +157,55 @@ class Tokenizer:
             if special:
                 backend.add_special_tokens(special)
         return cls(backend, bos_id=bos_id, eos_id=eos_id, source=source)
+
+    def to_json(self) -> str:
+        """The tokenizer as a Hugging Face ``tokenizer.json`` text."""
+        return self.backend.to_str()
+
+    def save(self, path) -> None:
+        """Write :meth:`to_json` to ``path`` (a ``tokenizer.json``)."""
+        pathlib.Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    def gguf_fields(self, vocab_size: int | None = None) -> dict:
+        """The GGUF metadata of this tokenizer (``tokenizer.ggml.*`` without the prefix):
+        ``model`` (``"gpt2"``), ``pre`` (the llama.cpp pre-tokenizer name whose splitting
+        this tokenizer's pre-tokenizer does), ``tokens`` (by id; ids without a token up to
+        ``vocab_size`` become ``[PAD{id}]``, as llama.cpp's converter writes them),
+        ``token_type`` (1 normal, 3 control for special added tokens, 4 user-defined for the
+        other added tokens, 5 unused for the padding), ``merges`` ("a b").
+
+        Raises :class:`UnsupportedModelError` for a tokenizer that is not byte-level BPE or
+        whose pre-tokenizer is none of :data:`PRE_TOKENIZERS`."""
+        import json
+
+        spec = json.loads(self.to_json())
+        model = spec.get("model") or {}
+        if model.get("type") != "BPE" or not _is_byte_level(spec):
+            raise UnsupportedModelError(f"{self.source or 'tokenizer'}: only byte-level BPE "
+                                        f"tokenizers can be written as GGUF (tokenizer.ggml."
+                                        f"model gpt2)")
+        pre = _pre_name(spec.get("pre_tokenizer"))
+        if pre is None:
+            raise UnsupportedModelError(
+                f"{self.source or 'tokenizer'}: its pre-tokenizer splits text in none of the "
+                f"ways llama.cpp names that bakron knows ({', '.join(sorted(PRE_TOKENIZERS))})")
+        by_id = {int(i): t for t, i in model.get("vocab", {}).items()}
+        kinds = {}
+        for a in spec.get("added_tokens") or []:
+            by_id[int(a["id"])] = a["content"]
+            kinds[int(a["id"])] = _CONTROL if a.get("special") else _USER_DEFINED
+        n = max(max(by_id, default=-1) + 1, vocab_size or 0)
+        tokens, types = [], []
+        for i in range(n):
+            if i in by_id:
+                tokens.append(by_id[i])
+                types.append(kinds.get(i, _NORMAL))
+            else:
+                tokens.append(f"[PAD{i}]")
+                types.append(_UNUSED)
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+        return {"model": "gpt2", "pre": pre, "tokens": tokens, "token_type": types,
+                "merges": merges}
 
     @classmethod
     def from_file(cls, path, *, bos_id=None, eos_id=None) -> "Tokenizer":
