@@ -169,11 +169,22 @@ def child(case: dict, tree: str, cores: list[int], inner: int) -> dict:
             else None}
 
 
+def parse_env(items: list[str]) -> dict:
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        if not sep or not k:
+            raise ValueError(f"--env takes KEY=VALUE, got {it!r}")
+        out[k] = v
+    return out
+
+
 def run_point(case: dict, tree: str, threads: int, cpus: list[int], inner: int,
-              python: str = sys.executable) -> dict:
+              python: str = sys.executable, extra_env: dict | None = None) -> dict:
     """One fresh process for (tree, threads, case); its result dict."""
     tree = os.path.abspath(tree)
-    env = dict(os.environ, PYTHONPATH=tree, **{k: str(threads) for k in THREAD_VARS})
+    env = dict(os.environ, PYTHONPATH=tree, **{k: str(threads) for k in THREAD_VARS},
+               **(extra_env or {}))
     cores = cpus[:threads]
     cmd = [python, os.path.abspath(__file__), "--_child", json.dumps(case), "--_tree", tree,
            "--_cores", ",".join(map(str, cores)), "--inner", str(inner)]
@@ -185,7 +196,7 @@ def run_point(case: dict, tree: str, threads: int, cpus: list[int], inner: int,
 
 
 def run_ab(trees: dict, cases: list[dict], threads: list[int], cpus: list[int], rounds: int,
-           inner: int, log=print) -> list[dict]:
+           inner: int, log=print, extra_env: dict | None = None) -> list[dict]:
     """Every point of every round, old and new back to back (order alternating by round)."""
     rows = []
     names = list(trees)
@@ -193,13 +204,14 @@ def run_ab(trees: dict, cases: list[dict], threads: list[int], cpus: list[int], 
         if t > len(cpus):
             raise ValueError(f"--threads {t} needs {t} cores but --cpus has {len(cpus)}")
     for label in names:
-        run_point(parse_case("rec:64"), trees[label], 1, cpus, 1)
+        run_point(parse_case("rec:64"), trees[label], 1, cpus, 1, extra_env=extra_env)
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for t in threads:
             for case in cases:
                 for label in order:
-                    res = run_point(case, trees[label], t, cpus, inner)
+                    res = run_point(case, trees[label], t, cpus, inner,
+                                    extra_env=extra_env)
                     rows.append(dict(res, round=r, tree=label, threads=t, case=case["name"]))
                     s = res["seconds"]
                     log(f"round {r} {label:>3} t={t:<3} {case['name']:<18} "
@@ -253,6 +265,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cases", default="floor:1024,rec:1024,wave:1024",
                     help="comma-separated KIND:SIZE[@BASE] (see above)")
     ap.add_argument("--json", default=None, help="write every measurement and the summary here")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment of every point (repeatable), e.g. "
+                    "OMP_WAIT_POLICY=PASSIVE")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     ap.add_argument("--_tree", help=argparse.SUPPRESS)
     ap.add_argument("--_cores", help=argparse.SUPPRESS)
@@ -272,19 +287,22 @@ def main(argv=None) -> int:
         cpus = parse_cpus(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
         threads = parse_ints(args.threads, "--threads")
         cases = parse_cases(args.cases)
+        extra_env = parse_env(args.env)
         if args.rounds < 1 or args.inner < 1:
             raise ValueError("--rounds and --inner must be >= 1")
     except ValueError as exc:
         ap.error(str(exc))
     trees = {"old": args.old, "new": args.new}
     rows = run_ab(trees, cases, threads, cpus, args.rounds, args.inner,
-                  log=lambda s: print(s, file=sys.stderr, flush=True))
+                  log=lambda s: print(s, file=sys.stderr, flush=True), extra_env=extra_env)
     summary = summarize(rows, cases, threads, list(trees))
     print(table(summary))
     if args.json:
+        args.json = os.path.abspath(args.json)
         with open(args.json, "w") as fh:
             json.dump({"command": " ".join(sys.argv), "trees": trees, "cpus": cpus,
                        "threads": threads, "rounds": args.rounds, "inner": args.inner,
+                       "env": extra_env,
                        "rows": rows, "summary": summary}, fh, indent=1)
     return 0
 
