@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import threading
 from contextlib import contextmanager
 
@@ -63,10 +64,28 @@ BASE_ELEMENTS = 128
 _kernel_module = None
 
 
+def _passive_openmp() -> None:
+    """Let numba's OpenMP workers sleep, rather than spin, between parallel regions:
+    ``OMP_WAIT_POLICY=PASSIVE`` unless the caller set it, before an OpenMP runtime is loaded
+    (it reads the variable once, when it loads). Spinning workers took the cores from BLAS's
+    threads between the wavefront's steps (docs/engines.md, "Many cores")."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    try:
+        with open("/proc/self/maps") as fh:
+            maps = fh.read()
+        if "libgomp" in maps or "libiomp" in maps:
+            return  # loaded already: the variable would have no effect
+    except OSError:
+        pass
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def _kernels():
     """The compiled kernels (imports numba; compiles or loads from the on-disk cache)."""
     global _kernel_module
     if _kernel_module is None:
+        _passive_openmp()
         from . import _numba_kernels
         _kernel_module = _numba_kernels
     return _kernel_module
@@ -222,7 +241,7 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
                         io.record_targets, p.tx, p.ty, *io.grid())
         out = io.result()
         out.info.update(coarse_steps=int(steps.shape[0] - 1), blocks=int(tasks.shape[0]),
-                        numba_threads=numba_threads())
+                        numba_threads=numba_threads(), threading_layer=threading_layer())
         return out
     ops, scratch = _cached_table(p.m, p.n, p.tx, p.ty, int(base), two)
     FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets F of unsolved blocks, errors E of solved
@@ -284,26 +303,49 @@ STACK_THREADS_MIN_WORK = 2 * 128 ** 3
 #: numba threading layers that may run parallel regions from several threads at once
 THREAD_SAFE_LAYERS = ("tbb", "omp")
 
-_layer = None
+_layer = None        # numba's answer, once a parallel region has run
+_predicted = None    # the layer numba will load, before that
 
 
 def threading_layer() -> str:
-    """The threading layer numba runs ``prange`` on (``tbb``, ``omp`` or ``workqueue``),
-    starting its pool with one tiny parallel call if it has not run yet."""
-    global _layer
+    """The threading layer numba runs ``prange`` on: ``tbb``, ``omp`` or ``workqueue``.
+
+    Once a parallel region has run, numba's answer; before, the layer numba will load (its
+    ``THREADING_LAYER`` setting and priority, the first whose module imports), so that asking
+    does not start a thread pool (an OpenMP pool would make a later ``fork`` unsafe)."""
+    global _layer, _predicted
     if _layer is None:
         import numba
 
         try:
             _layer = numba.threading_layer()
-        except ValueError:  # no parallel region has run yet: start the pool
-            K = _kernels()
-            tasks = np.zeros((0, 4), dtype=np.int64)
-            z = np.zeros((1, 1))
-            K.solve_blocks(tasks, 0, 0, z, z, z, z, True, z, np.zeros((1, 1), np.int16), z,
-                           False, 1, 1, z, z, 1, 0.0, 1.0, True)
-            _layer = numba.threading_layer()
+        except ValueError:  # no parallel region has run yet
+            if _predicted is None:
+                _predicted = _predict_layer(numba)
+            return _predicted
     return _layer
+
+
+def _predict_layer(numba) -> str:
+    """The layer numba's first parallel launch will load (a failed import of a missing
+    layer costs milliseconds, so ``threading_layer`` keeps the answer). Importing the omp
+    layer loads the OpenMP runtime: its wait policy is set first."""
+    _passive_openmp()
+    want = str(numba.config.THREADING_LAYER).lower()
+    candidates = {"safe": ["tbb"], "threadsafe": ["tbb", "omp"],
+                  "forksafe": ["tbb", "workqueue"]}.get(
+        want, [want] if want in ("tbb", "omp", "workqueue")
+        else list(numba.config.THREADING_LAYER_PRIORITY))
+    for name in candidates:
+        if name == "workqueue":
+            return name
+        try:
+            importlib.import_module("numba.np.ufunc." + ("tbbpool" if name == "tbb"
+                                                         else "omppool"))
+        except ImportError:
+            continue
+        return name
+    return "workqueue"
 
 
 _WORKQUEUE_LOCK = threading.Lock()
