@@ -183,8 +183,9 @@ def run_point(case: dict, tree: str, threads: int, cpus: list[int], inner: int,
               python: str = sys.executable, extra_env: dict | None = None) -> dict:
     """One fresh process for (tree, threads, case); its result dict."""
     tree = os.path.abspath(tree)
-    env = dict(os.environ, PYTHONPATH=tree, **{k: str(threads) for k in THREAD_VARS},
-               **(extra_env or {}))
+    env = dict(os.environ, PYTHONPATH=tree)
+    env.update({k: str(threads) for k in THREAD_VARS})
+    env.update(extra_env or {})  # --env wins, e.g. OPENBLAS_NUM_THREADS=1
     cores = cpus[:threads]
     cmd = [python, os.path.abspath(__file__), "--_child", json.dumps(case), "--_tree", tree,
            "--_cores", ",".join(map(str, cores)), "--inner", str(inner)]

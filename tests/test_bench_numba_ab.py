@@ -43,11 +43,13 @@ def test_tiny_run_writes_json(tmp_path, capsys):
     cpus = sorted(os.sched_getaffinity(0))[:1] if hasattr(os, "sched_getaffinity") else [0]
     rc = ab.main(["--old", ROOT, "--new", ROOT, "--cpus", ",".join(map(str, cpus)),
                   "--threads", "1", "--rounds", "1", "--inner", "1",
-                  "--cases", "floor:32,rec:48,wave:48@2,stack:2x32", "--json", str(out)])
+                  "--cases", "floor:32,rec:48,wave:48@2,stack:2x32", "--json", str(out),
+                  "--env", "OPENBLAS_NUM_THREADS=1"])
     assert rc == 0
     text = capsys.readouterr().out
     assert text.startswith("| case | threads | old ms | new ms | new ÷ old |")
     data = json.loads(out.read_text())
+    assert data["env"] == {"OPENBLAS_NUM_THREADS": "1"}
     assert [d["case"] for d in data["summary"]] == ["floor:32", "rec:48", "wave:48@2",
                                                    "stack:2x32"]
     for d in data["summary"]:
