@@ -501,3 +501,20 @@ def test_workqueue_layer_serialises_solves(monkeypatch):
     for i in range(3):
         one = bakron.solve(Ws[i], f_out.A, f_in.A, q, tile=4, method="wavefront", base=2)
         np.testing.assert_array_equal(r.values[i], one.values)
+
+
+def test_wavefront_with_targets_and_auto_engine_runs_on_numba():
+    """``return_targets`` with ``engine="auto"`` sends other methods to the array-API engine
+    (the reference's sums); the wavefront, which it lacks, stays on numba (single and stack)."""
+    W, f_in, f_out = problem(5, 40, 36, 4, 4)
+    q = bakron.UniformQuantizer.fit(W, 3)
+    r = bakron.solve(W, f_out.A, f_in.A, q, tile=4, method="wavefront", base=2,
+                     return_targets=True)
+    ref = _reference(W, f_out.A, f_in.A, q, 4, return_targets=True)
+    assert r.engine == "numba" and r.method == "wavefront"
+    np.testing.assert_array_equal(r.values, ref.values)
+    np.testing.assert_allclose(r.targets, ref.targets, rtol=1e-10, atol=1e-10)
+    rs = bakron.solve(np.stack([W, -W]), f_out.A, f_in.A, q, tile=4, method="wavefront",
+                      base=2, return_targets=True)
+    assert rs.engine == "numba" and rs.targets.shape == (2, 40, 36)
+    np.testing.assert_array_equal(rs.values[0], ref.values)

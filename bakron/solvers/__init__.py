@@ -124,7 +124,8 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         rule, docs/engines.md; 8 on the array-API engine).
     return_targets : bool
         Record every tile's target (for the loss identity). With ``engine="auto"`` the
-        array-API engine runs (its targets are the reference's sums).
+        array-API engine runs (its targets are the reference's sums), except for
+        ``method="wavefront"``, which it does not have.
 
     Returns
     -------
@@ -167,8 +168,8 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         check_factor_block(xp, A_out, tx, "A_out", blk_out)
 
     p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
-    if return_targets and engine == "auto":
-        engine = "array_api"
+    if return_targets and engine == "auto" and method != "wavefront":
+        engine = "array_api"  # the reference's sums (the array-API engine has no wavefront)
     eng = _pick_engine(engine, p, method, variant)
     check_wavefront(eng, method)
     return execute(p, eng, method, None if auto_base else base, variant, max_naive_bytes)

@@ -60,7 +60,8 @@ def engine_check(solvers, xp, chunk, engine: str, return_targets: bool) -> dict:
     from ._problem import Problem
 
     W0, A_out0, A_in0, _ = chunk.item(0)
-    want = "array_api" if return_targets and engine == "auto" else engine
+    want = "array_api" if (return_targets and engine == "auto"
+                           and chunk.method != "wavefront") else engine
     out, by_type = {}, {}
     for q in chunk.quantizers:
         if id(q) in out:
