@@ -117,7 +117,7 @@ _sgemm = types.ExternalFunction("bakron_cblas_sgemm", _cblas_sig(types.float32))
 _dgemm = types.ExternalFunction("bakron_cblas_dgemm", _cblas_sig(types.float64))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _blas(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
     """One BLAS call: row-major ``C[m x n] = beta * C + op(A) @ op(B)``."""
     if m == 0 or n == 0:
@@ -149,7 +149,7 @@ SERIAL_MNK = 1 << 18
 PARALLEL_MNK = 1 << 21
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _gemm_k(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
     """``_blas`` split along ``k`` into single-threaded pieces."""
     kc = max(1, SERIAL_MNK // max(1, m * n))
@@ -165,7 +165,7 @@ def _gemm_k(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
             break
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def gemm_serial(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
     """``gemm`` in pieces that BLAS runs single-threaded (rows or columns of C first)."""
     if m * n * k <= SERIAL_MNK:
@@ -185,7 +185,7 @@ def gemm_serial(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
             _gemm_k(C, oc + j0, ldc, A, oa, lda, ta, B, ob + db, ldb, tb, m, j1 - j0, k, beta)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
     """Row-major ``C[m x n] = beta * C + op(A) @ op(B)`` on flat offsets/leading dimensions
     (``op(A)`` is ``m x k``, ``A`` stored ``k x m`` when ``ta``; ``op(B)`` is ``k x n``).
@@ -196,7 +196,7 @@ def gemm(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
         gemm_serial(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def tri_right_acc(C, oc, ldc, X, ox, ldx, L, ol, ldl, p, h, panel):
     """``C[p x h] += X[p x h] @ tril(L[h x h])`` (L's strict upper part is zero), by column
     panels so that the zero upper triangle is mostly skipped."""
@@ -208,7 +208,7 @@ def tri_right_acc(C, oc, ldc, X, ox, ldx, L, ol, ldl, p, h, panel):
         j0 = j1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def tri_left_t_acc(C, oc, ldc, L, ol, ldl, X, ox, ldx, h, q, panel):
     """``C[h x q] += tril(L[h x h])^T @ X[h x q]``, by row panels."""
     i0 = 0
@@ -219,7 +219,7 @@ def tri_left_t_acc(C, oc, ldc, L, ol, ldl, X, ox, ldx, h, q, panel):
         i0 = i1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def add_into(C, oc, ldc, X, ox, ldx, p, q):
     """``C[p x q] += X[p x q]``."""
     Cf = C.reshape(C.size)
@@ -229,7 +229,7 @@ def add_into(C, oc, ldc, X, ox, ldx, p, q):
             Cf[oc + i * ldc + j] += Xf[ox + i * ldx + j]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def copy_into(C, oc, ldc, X, ox, ldx, p, q):
     """``C[p x q] = X[p x q]``."""
     Cf = C.reshape(C.size)
@@ -242,7 +242,7 @@ def copy_into(C, oc, ldc, X, ox, ldx, p, q):
 # ---------------------------------------------------------------------------------------
 # the scalar grid
 # ---------------------------------------------------------------------------------------
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _quant(t, i, j, s_tab, z_tab, gs, lo, hi, sym):
     """(value, code) of target ``t`` at element (i, j): UniformQuantizer.quantize's rule."""
     ri = i if s_tab.shape[0] > 1 else 0
@@ -262,7 +262,7 @@ def _quant(t, i, j, s_tab, z_tab, gs, lo, hi, sym):
 # ---------------------------------------------------------------------------------------
 # base blocks
 # ---------------------------------------------------------------------------------------
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _row_tile(W, F, useF, P, usep, AI, Wq, codes, T, useT, E, er0, gr0, h, C0, Sc, ty,
               s_tab, z_tab, gs, lo, hi, sym):
     """Round rows ``gr0 .. gr0+h`` of W over columns ``[C0, C0+Sc)`` (one row tile of a
@@ -311,7 +311,7 @@ def _row_tile(W, F, useF, P, usep, AI, Wq, codes, T, useT, E, er0, gr0, h, C0, S
                         zr[j] += coef * arow[j]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
                         tx, ty, s_tab, z_tab, gs, lo, hi, sym):
     Sc = C1 - C0
@@ -325,7 +325,7 @@ def _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, 
             FE[r0 + i, C0:C1] = E[i]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def base_one_sided(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
                    s_tab, z_tab, gs, lo, hi, sym):
     """One-sided block ``[R0, R1) x [C0, C1)``: targets ``W + F + E A_I`` inside the block,
@@ -336,7 +336,7 @@ def base_one_sided(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C
                             tx, ty, s_tab, z_tab, gs, lo, hi, sym)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def base_one_sided_par(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
                        s_tab, z_tab, gs, lo, hi, sym):
     """``base_one_sided`` with the row tiles in parallel (prange): used for blocks with
@@ -352,7 +352,7 @@ def base_one_sided_par(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C
 PAR_MIN_WORK = 1 << 26
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def base_two_sided(W, F, useF, AO, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
                    s_tab, z_tab, gs, lo, hi, sym):
     """Two-sided block ``[R0, R1) x [C0, C1)`` with targets ``W + F + (feedback inside)``.
@@ -391,7 +391,7 @@ def base_two_sided(W, F, useF, AO, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C
 OP_LEAF, OP_AFTER_D, OP_AFTER_BC, OP_AFTER_RIGHT, OP_AFTER_BOTTOM = 0, 1, 2, 3, 4
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, panel,
              s_tab, z_tab, gs, lo, hi, sym):
     """Execute the recursion's op table (``numba_cpu.op_table``). ``FE`` holds the offsets F of
@@ -459,9 +459,82 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
 
 
 # ---------------------------------------------------------------------------------------
+# the two-level wavefront: the coarse steps of bakron.solvers.schedule.two_level
+# ---------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True, parallel=True)
+def solve_blocks(tasks, t0, t1, W, FE, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
+                 s_tab, z_tab, gs, lo, hi, sym):
+    """Solve the blocks ``tasks[t0:t1]`` (rows ``[r0, r1, c0, c1]``, elements) of one coarse
+    step in parallel (prange), each with the base-block kernel on one thread (its small
+    products single-threaded, ``gemm_serial``). A block reads its offsets from ``FE`` and
+    overwrites them with its errors; blocks of one step are disjoint."""
+    for k in prange(t1 - t0):
+        r0, r1 = tasks[t0 + k, 0], tasks[t0 + k, 1]
+        c0, c1 = tasks[t0 + k, 2], tasks[t0 + k, 3]
+        if two_sided:
+            base_two_sided(W, FE, True, AO, AI, Wq, codes, T, useT, FE, True,
+                           r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+        else:
+            base_one_sided(W, FE, True, AI, Wq, codes, T, useT, FE, True,
+                           r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+
+
+@njit(cache=True, nogil=True)
+def gather_two_sided(tasks, t0, t1, FE, Y, AI):
+    """Offsets of the blocks ``tasks[t0:t1]`` from every block solved before:
+    ``F_AB = (Y G_I)_AB = Y[A, cB] + Y[A, c0:] A_I[c0:, cB]`` (``Y = G_O^T Ẽ``), one BLAS
+    product per block (multi-threaded BLAS when large, ``gemm``)."""
+    n = FE.shape[1]
+    for k in range(t0, t1):
+        r0, r1, c0, c1 = tasks[k, 0], tasks[k, 1], tasks[k, 2], tasks[k, 3]
+        copy_into(FE, r0 * n + c0, n, Y, r0 * n + c0, n, r1 - r0, c1 - c0)
+        gemm(FE, r0 * n + c0, n, Y, r0 * n + c0, n, False, AI, c0 * n + c0, n, False,
+             r1 - r0, c1 - c0, n - c0, 1.0)
+
+
+@njit(cache=True, nogil=True)
+def scatter_two_sided(tasks, t0, t1, FE, Y, AO):
+    """Push the errors of the solved blocks ``tasks[t0:t1]`` into the accumulator:
+    ``Y[:r1, cB] += G_O[A, :r1]^T E_AB`` (one BLAS product per block and the identity)."""
+    m = AO.shape[0]
+    n = FE.shape[1]
+    for k in range(t0, t1):
+        r0, r1, c0, c1 = tasks[k, 0], tasks[k, 1], tasks[k, 2], tasks[k, 3]
+        gemm(Y, c0, n, AO, r0 * m, m, True, FE, r0 * n + c0, n, False,
+             r1, c1 - c0, r1 - r0, 1.0)
+        add_into(Y, r0 * n + c0, n, FE, r0 * n + c0, n, r1 - r0, c1 - c0)
+
+
+@njit(cache=True, nogil=True)
+def run_wavefront(tasks, steps, W, FE, Y, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
+                  s_tab, z_tab, gs, lo, hi, sym):
+    """Execute the two-level wavefront (``numba_cpu.wavefront_table``): step ``s`` is the
+    blocks ``tasks[steps[s]:steps[s + 1]]``. Per step: gather the offsets (BLAS), solve the
+    blocks (prange), scatter their errors (BLAS). ``FE`` (zero on entry) holds the offsets,
+    then the errors; two-sided ``Y`` (zero on entry) is the accumulator ``G_O^T Ẽ``.
+    One-sided, a step is a column of blocks and gathers ``E[:, c1:] A_I[c1:, cB]`` directly
+    from the errors to its right."""
+    m, n = W.shape
+    ns = steps.shape[0] - 1
+    for s in range(ns):
+        t0, t1 = steps[s], steps[s + 1]
+        if s > 0:
+            if two_sided:
+                gather_two_sided(tasks, t0, t1, FE, Y, AI)
+            else:  # one product for the whole column of blocks
+                c0, c1 = tasks[t0, 2], tasks[t0, 3]
+                gemm(FE, c0, n, FE, c1, n, False, AI, c1 * n + c0, n, False,
+                     m, c1 - c0, n - c1, 0.0)
+        solve_blocks(tasks, t0, t1, W, FE, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
+                     s_tab, z_tab, gs, lo, hi, sym)
+        if two_sided and s < ns - 1:
+            scatter_two_sided(tasks, t0, t1, FE, Y, AO)
+
+
+# ---------------------------------------------------------------------------------------
 # anti-diagonal solvers (the baselines), whole matrix
 # ---------------------------------------------------------------------------------------
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
               s_tab, z_tab, gs, lo, hi, sym):
     """One tile of the accumulator wavefront: target, rounding, and its ``Y`` update."""
@@ -496,7 +569,7 @@ def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
     gemm_serial(Y, c0, n, AO, r0 * m, m, True, Et, 0, w, False, r0, w, h, 1.0)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, Y, tx, ty,
                              s_tab, z_tab, gs, lo, hi, sym):
     """Two-sided anti-diagonal wavefront with the accumulator ``Y = G_O^T Ẽ``
@@ -517,7 +590,7 @@ def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, Y, tx, ty,
                       s_tab, z_tab, gs, lo, hi, sym)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def antidiagonal_direct(W, F, useF, AO, AI, two_sided, Wq, codes, T, useT, E, tx, ty,
                         s_tab, z_tab, gs, lo, hi, sym):
     """Anti-diagonal wavefront with every target from (1) over its dominating region:

@@ -15,8 +15,16 @@ What runs compiled (``backends/_numba_kernels.py``):
   unsolved blocks and the errors ``E`` of solved ones; products with the unit-triangular
   diagonal blocks of ``G`` skip their zero triangle (panels). Extra memory: that buffer
   (``m n``) plus at most ``m n / 3`` of scratch, besides the outputs;
-* ``method="antidiagonal"``: the accumulator variant (one parallel step per anti-diagonal,
-  tiles of a diagonal in parallel) and the direct variant (two BLAS products per tile).
+* ``method="wavefront"``: the two-level wavefront of ``bakron.solvers.schedule.two_level``
+  (coarse blocks of ``base`` tiles): per coarse step a task table of its independent blocks,
+  solved in a numba ``prange`` (each block by the base-block kernel on one thread), with the
+  feedback products between steps as BLAS GEMMs that use BLAS's threads
+  (docs/engines.md, "Many cores");
+* ``method="antidiagonal"``: the accumulator variant (one step per anti-diagonal, the tiles
+  of a diagonal one after the other) and the direct variant (two BLAS products per tile).
+
+Every kernel is compiled with ``nogil=True``: independent solves (the items of a stack) may
+run on Python threads at once (``stack_threads``).
 
 Rounding is bit-identical to :meth:`bakron.UniformQuantizer.quantize` for a given target;
 the targets themselves are sums in another order than the array-API path, so results agree
@@ -26,18 +34,23 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import threading
+from contextlib import contextmanager
 
 import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "op_table",
-           "warm_up", "PANEL", "BASE_ELEMENTS"]
+           "wavefront_table", "stack_threads", "threading_layer", "warm_up", "PANEL",
+           "BASE_ELEMENTS", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_MIN_WORK",
+           "STACK_THREADS_MIN_WORK"]
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT, Block,
-                                     RecursionPlan)
+                                     RecursionPlan, two_level)
 
 NAME = "numba"
-CAPABILITIES = Capabilities(methods=("antidiagonal", "recursive"),
+CAPABILITIES = Capabilities(methods=("antidiagonal", "recursive", "wavefront"),
                             variants=("accumulator", "direct"), namespaces=("numpy",),
                             quantizers=UNIFORM_FUSED)
 
@@ -51,10 +64,28 @@ BASE_ELEMENTS = 128
 _kernel_module = None
 
 
+def _passive_openmp() -> None:
+    """Let numba's OpenMP workers sleep, rather than spin, between parallel regions:
+    ``OMP_WAIT_POLICY=PASSIVE`` unless the caller set it, before an OpenMP runtime is loaded
+    (it reads the variable once, when it loads). Spinning workers took the cores from BLAS's
+    threads between the wavefront's steps (docs/engines.md, "Many cores")."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    try:
+        with open("/proc/self/maps") as fh:
+            maps = fh.read()
+        if "libgomp" in maps or "libiomp" in maps:
+            return  # loaded already: the variable would have no effect
+    except OSError:
+        pass
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def _kernels():
     """The compiled kernels (imports numba; compiles or loads from the on-disk cache)."""
     global _kernel_module
     if _kernel_module is None:
+        _passive_openmp()
         from . import _numba_kernels
         _kernel_module = _numba_kernels
     return _kernel_module
@@ -154,10 +185,35 @@ def _cached_table(m: int, n: int, tx: int, ty: int, base: int, two: bool):
     return op_table(RecursionPlan(tile_edges(m, tx), tile_edges(n, ty), base, two))
 
 
+def wavefront_table(M: int, N: int, rows: list, cols: list, base: int, two_sided: bool):
+    """The coarse steps of ``schedule.two_level`` as the task table of ``run_wavefront``:
+    ``tasks`` rows ``[r0, r1, c0, c1]`` (elements), one per block, step after step, and
+    ``steps`` (the first task of every step, then the number of tasks)."""
+    coarse = two_level(M, N, base, two_sided)
+    tasks = np.array([[rows[b.ra], rows[b.rb], cols[b.ca], cols[b.cb]]
+                      for st in coarse for b in st.blocks], dtype=np.int64).reshape(-1, 4)
+    steps = np.cumsum([0] + [len(st.blocks) for st in coarse]).astype(np.int64)
+    return tasks, steps
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_wavefront(m: int, n: int, tx: int, ty: int, base: int, two: bool):
+    from bakron.solvers.schedule import tile_edges
+
+    rows, cols = tile_edges(m, tx), tile_edges(n, ty)
+    return wavefront_table(len(rows) - 1, len(cols) - 1, rows, cols, base, two)
+
+
 def run(p, method: str, base: int, variant: str) -> EngineResult:
-    """Run ``method`` (``recursive`` or ``antidiagonal``) compiled; new arrays out."""
+    """Run ``method`` (``recursive``, ``wavefront`` or ``antidiagonal``) compiled; new arrays
+    out."""
     if not CAPABILITIES.runs(method, variant):
         raise ValueError(f"method={method!r} is not available on engine {NAME!r}")
+    with _parallel_guard():
+        return _run(p, method, base, variant)
+
+
+def _run(p, method: str, base: int, variant: str) -> EngineResult:
     K = _kernels()
     io = _Operands(p)                          # inputs, outputs and grid of the kernels
     two = io.AO is not None
@@ -177,6 +233,16 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
             block(io.W, io.dummy, False, io.AI, io.Wq, io.codes, io.T, io.record_targets,
                   io.dummy, False, 0, p.m, 0, p.n, p.tx, p.ty, *io.grid())
         return io.result()
+    if method == "wavefront":
+        tasks, steps = _cached_wavefront(p.m, p.n, p.tx, p.ty, int(base), two)
+        FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets of unsolved blocks, then errors
+        Y = np.zeros((p.m, p.n), dtype=io.dtype) if two else io.dummy  # G_O^T Ẽ
+        K.run_wavefront(tasks, steps, io.W, FE, Y, AO, io.AI, two, io.Wq, io.codes, io.T,
+                        io.record_targets, p.tx, p.ty, *io.grid())
+        out = io.result()
+        out.info.update(coarse_steps=int(steps.shape[0] - 1), blocks=int(tasks.shape[0]),
+                        numba_threads=numba_threads(), threading_layer=threading_layer())
+        return out
     ops, scratch = _cached_table(p.m, p.n, p.tx, p.ty, int(base), two)
     FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets F of unsolved blocks, errors E of solved
     buf = np.empty(max(scratch, 1), dtype=io.dtype)
@@ -198,16 +264,120 @@ ANTIDIAGONAL_MIN_TILE = 256
 ANTIDIAGONAL_MAX_WORK = 2 * 512 ** 3
 
 
+#: ``method="auto"`` takes the two-level wavefront when numba has at least
+#: ``WAVEFRONT_MIN_THREADS`` threads and m n (m + n) >= ``WAVEFRONT_MIN_WORK``.
+#: PROVISIONAL: to be set from the 16-core measurement (docs/engines.md, "Many cores"); the
+#: values are the issue's starting point, not measured yet.
+WAVEFRONT_MIN_THREADS = 8
+WAVEFRONT_MIN_WORK = 2 * 1024 ** 3
+
+
+def numba_threads() -> int:
+    """numba's thread count for the calling thread (what a ``prange`` uses)."""
+    import numba
+
+    return int(numba.get_num_threads())
+
+
 def auto_method(p, base: int) -> str:
     """``method="auto"`` on this engine (measurements in docs/engines.md): the serial
     accumulator wavefront (one small BLAS product per tile and step) is as fast as or faster
     than the recursion up to about 512 x 512 with 16 x 16 tiles, and slower for smaller tiles
-    (per-tile overhead) or larger matrices (its products cannot use the second core); the
-    recursion everywhere else, and always one-sided."""
+    (per-tile overhead) or larger matrices (its products cannot use the second core); with
+    many threads and a large problem the two-level wavefront, whose blocks of one coarse step
+    run in parallel (``WAVEFRONT_*``); the recursion everywhere else."""
     if (p.two_sided and p.tx * p.ty >= ANTIDIAGONAL_MIN_TILE
             and p.m * p.n * (p.m + p.n) <= ANTIDIAGONAL_MAX_WORK):
         return "antidiagonal"
+    if (p.m * p.n * (p.m + p.n) >= WAVEFRONT_MIN_WORK
+            and numba_threads() >= WAVEFRONT_MIN_THREADS):
+        return "wavefront"
     return "recursive"
+
+
+#: Stack items run on several Python threads (the kernels release the GIL) only when one
+#: item has at least this much work m n (m + n): below it a thread hand-off costs more than
+#: it saves. PROVISIONAL: to be set from the 16-core measurement (docs/stacks.md, "Threads").
+STACK_THREADS_MIN_WORK = 2 * 128 ** 3
+
+#: numba threading layers that may run parallel regions from several threads at once
+THREAD_SAFE_LAYERS = ("tbb", "omp")
+
+_layer = None        # numba's answer, once a parallel region has run
+_predicted = None    # the layer numba will load, before that
+
+
+def threading_layer() -> str:
+    """The threading layer numba runs ``prange`` on: ``tbb``, ``omp`` or ``workqueue``.
+
+    Once a parallel region has run, numba's answer; before, the layer numba will load (its
+    ``THREADING_LAYER`` setting and priority, the first whose module imports), so that asking
+    does not start a thread pool (an OpenMP pool would make a later ``fork`` unsafe)."""
+    global _layer, _predicted
+    if _layer is None:
+        import numba
+
+        try:
+            _layer = numba.threading_layer()
+        except ValueError:  # no parallel region has run yet
+            if _predicted is None:
+                _predicted = _predict_layer(numba)
+            return _predicted
+    return _layer
+
+
+def _predict_layer(numba) -> str:
+    """The layer numba's first parallel launch will load (a failed import of a missing
+    layer costs milliseconds, so ``threading_layer`` keeps the answer). Importing the omp
+    layer loads the OpenMP runtime: its wait policy is set first."""
+    _passive_openmp()
+    want = str(numba.config.THREADING_LAYER).lower()
+    candidates = {"safe": ["tbb"], "threadsafe": ["tbb", "omp"],
+                  "forksafe": ["tbb", "workqueue"]}.get(
+        want, [want] if want in ("tbb", "omp", "workqueue")
+        else list(numba.config.THREADING_LAYER_PRIORITY))
+    for name in candidates:
+        if name == "workqueue":
+            return name
+        try:
+            importlib.import_module("numba.np.ufunc." + ("tbbpool" if name == "tbb"
+                                                         else "omppool"))
+        except ImportError:
+            continue
+        return name
+    return "workqueue"
+
+
+_WORKQUEUE_LOCK = threading.Lock()
+
+
+@contextmanager
+def _parallel_guard():
+    """numba's ``workqueue`` layer aborts the process when two threads enter parallel regions
+    at once: under it a solve holds a lock (solves from several threads, e.g. a stack with an
+    explicit ``workers=``, then run one at a time); under tbb and omp nothing is locked."""
+    if threading_layer() in THREAD_SAFE_LAYERS:
+        yield
+        return
+    with _WORKQUEUE_LOCK:
+        yield
+
+
+def stack_threads(chunk, cores: int) -> int:
+    """Threads on which the stack layer runs the items of ``chunk`` (1: one after the other).
+
+    Several only with at least 2 items, 2 cores, per-item work m n (m + n) of at least
+    ``STACK_THREADS_MIN_WORK`` and a thread-safe numba threading layer (tbb or omp; under
+    ``workqueue`` two threads in parallel regions at once would abort the process, so the
+    items run serially). Every item is solved exactly as alone; numba and BLAS get
+    ``cores // threads`` threads each meanwhile."""
+    items = int(chunk.stop - chunk.start)
+    m, n = (int(s) for s in chunk.W.shape[-2:])
+    if items < 2 or cores < 2 or m * n * (m + n) < STACK_THREADS_MIN_WORK:
+        return 1
+    if threading_layer() not in THREAD_SAFE_LAYERS:
+        return 1
+    return min(items, cores)
 
 
 def warm_up() -> None:
@@ -221,6 +391,6 @@ def warm_up() -> None:
         q = bakron.UniformQuantizer(2, 0.5)
         for A_out in (A, None):
             for method, variant in (("recursive", "accumulator"), ("antidiagonal", "accumulator"),
-                                    ("antidiagonal", "direct")):
+                                    ("antidiagonal", "direct"), ("wavefront", "accumulator")):
                 bakron.solve(W, A_out, A, q, tile=2, method=method, variant=variant,
                              engine="numba", base=1)

@@ -12,10 +12,9 @@ Exit codes (stable; scripts may rely on them):
      ``--scheduler``/``--gpus``: another bakron driver holds OUT); ``quantize-model``: OUT
      exists (it is never replaced); nothing was written
 4    a part that the command needs is not available (an optional dependency, a demo model,
-     ``bakron.bench``, a GPU for ``--device gpu``, ``--engine cuda``, ``--method wavefront``
-     or ``--gpus``; ``quantize-model``: a missing model file or shard, a ``--scheduler``
-     that does not answer); checked before any
-     layer runs, nothing was written
+     ``bakron.bench``, a GPU for ``--device gpu``, ``--engine cuda`` or ``--gpus``;
+     ``quantize-model``: a missing model file or shard, a ``--scheduler`` that does not
+     answer); checked before any layer runs, nothing was written
 5    the output could not be written (I/O error such as a full disk or a read-only file
      system); no partial output folder is left
 130  interrupted (Ctrl-C or SIGTERM); a ``quantize`` output folder is not left behind
@@ -81,12 +80,16 @@ def io_check_out(out):
 
 
 def _check_gpu_needs(args) -> None:
-    """``--engine cuda`` and ``--method wavefront`` run on a GPU: refuse them up front (exit 2
-    with ``--device cpu``, exit 4 when there is no usable GPU)."""
+    """``--engine cuda`` runs on a GPU: refuse it up front (exit 2 with ``--device cpu``,
+    exit 4 when there is no usable GPU). ``--method wavefront`` runs on the numba and cuda
+    engines: refused (exit 2) with ``--engine array_api``."""
     from .io import array_module
 
-    need = [f"--{k} {v}" for k, v in (("engine", args.engine), ("method", args.method))
-            if (k, v) in (("engine", "cuda"), ("method", "wavefront"))]
+    if args.method == "wavefront" and args.engine == "array_api":
+        raise UsageError("--method wavefront runs on the numba and cuda engines, not on "
+                         "--engine array_api; use --engine auto, numba or cuda, or another "
+                         "--method")
+    need = [f"--{k} {v}" for k, v in (("engine", args.engine),) if v == "cuda"]
     if not need:
         return
     if args.device == "cpu" and not getattr(args, "gpus", None):

@@ -18,6 +18,7 @@ def test_cpu_methods_come_from_the_engine():
     got = cpu.cpu_methods()
     assert {m for m, _ in got} == set(numba_cpu.CAPABILITIES.methods)
     assert ("antidiagonal", "direct") in got and ("recursive", "accumulator") in got
+    assert ("wavefront", "accumulator") in got  # the two-level wavefront is in the table
     assert ("recursive", "direct") not in got  # variants are the anti-diagonal's
 
 

@@ -135,7 +135,23 @@ def test_npz_zip_bomb(tmp_path, capsys, monkeypatch):
 
 # -- 8. GPU-only options on a machine without a GPU, tile larger than the layers ---------------
 
-@pytest.mark.parametrize("opt", [["--engine", "cuda"], ["--method", "wavefront"]])
+def test_wavefront_runs_on_the_cpu_but_not_on_the_array_api_engine(tmp_path, capsys):
+    """``--method wavefront`` runs on the numba engine (CPU); with ``--engine array_api``
+    it is refused before any layer runs."""
+    src = tmp_path / "l.npz"
+    np.savez(src, **_layer())
+    out = tmp_path / "out"
+    rc, err = run(["quantize", src, "--out", out, "--method", "wavefront", "--engine",
+                   "array_api"], capsys)
+    assert rc == cli.EXIT_USAGE and "--method wavefront runs on the numba and cuda" in err
+    _nothing_written(tmp_path, out)
+    pytest.importorskip("numba")
+    rc, err = run(["quantize", src, "--out", out, "--method", "wavefront"], capsys)
+    assert rc == 0, err
+    assert out.exists()
+
+
+@pytest.mark.parametrize("opt", [["--engine", "cuda"]])
 def test_gpu_only_options(tmp_path, capsys, monkeypatch, opt):
     src = tmp_path / "l.npz"
     np.savez(src, **_layer())

@@ -23,7 +23,8 @@ import array_api_compat.numpy as xnp  # noqa: E402
 # (method, variant, base): every compiled path of the engine
 PATHS = [("recursive", "accumulator", 1), ("recursive", "accumulator", 2),
          ("recursive", "accumulator", 3), ("antidiagonal", "accumulator", 8),
-         ("antidiagonal", "direct", 8)]
+         ("antidiagonal", "direct", 8), ("wavefront", "accumulator", 1),
+         ("wavefront", "accumulator", 2), ("wavefront", "accumulator", 3)]
 
 
 @st.composite
@@ -341,3 +342,179 @@ def test_bench_help_explains_every_option(capsys):
         bench.main(["--help"])
     assert exc.value.code == 0
     assert "default docs/benchmarks" in " ".join(capsys.readouterr().out.split())
+
+
+# -- the two-level wavefront (docs/engines.md, "Many cores") ---------------------------------
+
+@st.composite
+def wave_cases(draw):
+    c = draw(cases(max_side=40))
+    c["base"] = draw(st.integers(1, 5))
+    c["threads"] = draw(st.integers(1, 4))
+    return c
+
+
+@given(wave_cases())
+def test_wavefront_equals_every_other_method_float64(c):
+    """``method="wavefront"`` (coarse blocks of 1-5 tiles, ragged edges, one- and two-sided,
+    1-4 numba threads) gives exactly the Ŵ and codes of the numba recursion and
+    anti-diagonal and of the array-API engine; its targets are the same sums up to order."""
+    import numba
+
+    W, A_out, A_in, q = _setup(c)
+    tile = (c["tx"], c["ty"])
+    ref = _reference(W, A_out, A_in, q, tile, return_targets=True)
+    others = [bakron.solve(W, A_out, A_in, q, tile=tile, method=m, base=c["base"],
+                           engine="numba") for m in ("recursive", "antidiagonal")]
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(c["threads"], numba.config.NUMBA_NUM_THREADS))
+    try:
+        r = bakron.solve(W, A_out, A_in, q, tile=tile, method="wavefront", base=c["base"],
+                         engine="numba", return_targets=True)
+    finally:
+        numba.set_num_threads(before)
+    assert r.method == "wavefront" and r.info["base"] == c["base"]
+    for other in [ref] + others:
+        np.testing.assert_array_equal(r.values, other.values)
+        np.testing.assert_array_equal(r.codes, other.codes)
+    np.testing.assert_allclose(r.targets, ref.targets, rtol=1e-10, atol=1e-10)
+
+
+def test_wavefront_is_the_same_on_any_number_of_threads():
+    """The blocks of a step write disjoint regions and every product has a fixed size, so
+    the result (float32 included, bit for bit) does not depend on numba's thread count."""
+    import numba
+
+    for two_sided in (True, False):
+        W, f_in, f_out = problem(7, 200, 168, 8, 8, two_sided=two_sided)
+        q = bakron.UniformQuantizer.fit(W, 2)
+        AO = None if f_out is None else f_out.A.astype(np.float32)
+        W32, AI = W.astype(np.float32), f_in.A.astype(np.float32)
+        before = numba.get_num_threads()
+        outs = []
+        for t in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(t)
+            try:
+                outs.append(bakron.solve(W32, AO, AI, q, tile=8, method="wavefront", base=3,
+                                         engine="numba"))
+            finally:
+                numba.set_num_threads(before)
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o.values, outs[0].values)
+            np.testing.assert_array_equal(o.codes, outs[0].codes)
+
+
+def test_wavefront_table_is_the_schedule():
+    """The task table is ``schedule.two_level`` in elements: every tile once, steps in order."""
+    from bakron.solvers.schedule import tile_edges, two_level
+
+    rows, cols = tile_edges(70, 8), tile_edges(45, 4)
+    for two in (True, False):
+        tasks, steps = nc.wavefront_table(len(rows) - 1, len(cols) - 1, rows, cols, 3, two)
+        coarse = two_level(len(rows) - 1, len(cols) - 1, 3, two)
+        assert len(steps) == len(coarse) + 1 and steps[-1] == len(tasks)
+        cover = np.zeros((70, 45), int)
+        for s, st in enumerate(coarse):
+            got = tasks[steps[s]:steps[s + 1]]
+            want = [[rows[b.ra], rows[b.rb], cols[b.ca], cols[b.cb]] for b in st.blocks]
+            assert got.tolist() == want
+            for r0, r1, c0, c1 in got:
+                cover[r0:r1, c0:c1] += 1
+        assert (cover == 1).all()
+
+
+def test_auto_rule_takes_the_wavefront_with_threads_and_work(monkeypatch):
+    """``method="auto"``: the wavefront from ``WAVEFRONT_MIN_THREADS`` numba threads and
+    ``WAVEFRONT_MIN_WORK``; the recursion below either, the anti-diagonal for small problems."""
+    assert nc.WAVEFRONT_MIN_THREADS == 8 and nc.WAVEFRONT_MIN_WORK == 2 * 1024 ** 3
+    W, f_in, f_out = problem(0, 96, 80, 4, 4)
+    q = bakron.UniformQuantizer.fit(W, 3)
+    monkeypatch.setattr(nc, "numba_threads", lambda: 8)
+    monkeypatch.setattr(nc, "WAVEFRONT_MIN_WORK", 96 * 80 * 176)
+    assert bakron.solve(W, f_out.A, f_in.A, q, tile=4).method == "wavefront"
+    monkeypatch.setattr(nc, "numba_threads", lambda: 7)
+    assert bakron.solve(W, f_out.A, f_in.A, q, tile=4).method == "recursive"
+    monkeypatch.setattr(nc, "numba_threads", lambda: 8)
+    monkeypatch.setattr(nc, "WAVEFRONT_MIN_WORK", 96 * 80 * 176 + 1)
+    assert bakron.solve(W, f_out.A, f_in.A, q, tile=4).method == "recursive"
+    # tiles of >= 256 elements and a small problem: the anti-diagonal, whatever the threads
+    W, f_in, f_out = problem(0, 64, 64, 16, 16)
+    q = bakron.UniformQuantizer.fit(W, 3)
+    assert bakron.solve(W, f_out.A, f_in.A, q, tile=16).method == "antidiagonal"
+
+
+def test_stack_threads_rule(monkeypatch):
+    """Threads for the items of a stack: >= 2 items, >= 2 cores, per-item work
+    m n (m + n) >= STACK_THREADS_MIN_WORK and a thread-safe threading layer."""
+    from types import SimpleNamespace
+
+    def chunk(items, m, n):
+        return SimpleNamespace(start=3, stop=3 + items, W=np.zeros((1, m, n)))
+
+    monkeypatch.setattr(nc, "threading_layer", lambda: "omp")
+    assert nc.STACK_THREADS_MIN_WORK == 2 * 128 ** 3
+    assert nc.stack_threads(chunk(8, 128, 128), 4) == 4
+    assert nc.stack_threads(chunk(3, 128, 128), 16) == 3
+    assert nc.stack_threads(chunk(1, 512, 512), 16) == 1
+    assert nc.stack_threads(chunk(8, 512, 512), 1) == 1
+    assert nc.stack_threads(chunk(8, 127, 128), 16) == 1
+    monkeypatch.setattr(nc, "threading_layer", lambda: "workqueue")
+    assert nc.stack_threads(chunk(8, 512, 512), 16) == 1
+
+
+def _cores():
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
+def test_stack_items_on_threads_equal_single_solves():
+    """A stack above the rule's threshold runs its items on threads (the kernels are nogil);
+    every item equals its own single solve, and ``info`` says what ran."""
+    rng = np.random.default_rng(3)
+    B, m, n = 3, 136, 128
+    W = rng.standard_normal((B, m, n))
+    _, f_in, f_out = problem(2, m, n, 8, 8)
+    qs = bakron.fit_quantizers(W, 2)
+    for method in ("wavefront", "recursive"):
+        r = bakron.solve(W, f_out.A, f_in.A, qs, tile=8, method=method, base=4)
+        st_ = r.info["stack"]
+        if _cores() >= 2 and nc.threading_layer() in nc.THREAD_SAFE_LAYERS:
+            assert st_["path"] == "items on 2 threads" or st_["workers"] >= 2
+        assert st_["workers_by"] == "engine rule stack_threads"
+        for i in range(B):
+            one = bakron.solve(W[i], f_out.A, f_in.A, qs[i], tile=8, method=method, base=4)
+            np.testing.assert_array_equal(r.values[i], one.values)
+            np.testing.assert_array_equal(r.codes[i], one.codes)
+
+
+def test_workqueue_layer_serialises_solves(monkeypatch):
+    """Under numba's workqueue layer (not thread-safe) solves from several threads take a
+    lock: an explicit ``workers=`` stack still gives every item exactly."""
+    monkeypatch.setattr(nc, "threading_layer", lambda: "workqueue")
+    W, f_in, f_out = problem(4, 48, 40, 4, 4)
+    Ws = np.stack([W, W[::-1].copy(), -W])
+    q = bakron.UniformQuantizer.fit(W, 3)
+    r = bakron.solve_stack(Ws, f_out.A, f_in.A, q, tile=4, method="wavefront", base=2,
+                           workers=3)
+    assert r.info["stack"]["workers_by"] == "workers="
+    for i in range(3):
+        one = bakron.solve(Ws[i], f_out.A, f_in.A, q, tile=4, method="wavefront", base=2)
+        np.testing.assert_array_equal(r.values[i], one.values)
+
+
+def test_wavefront_with_targets_and_auto_engine_runs_on_numba():
+    """``return_targets`` with ``engine="auto"`` sends other methods to the array-API engine
+    (the reference's sums); the wavefront, which it lacks, stays on numba (single and stack)."""
+    W, f_in, f_out = problem(5, 40, 36, 4, 4)
+    q = bakron.UniformQuantizer.fit(W, 3)
+    r = bakron.solve(W, f_out.A, f_in.A, q, tile=4, method="wavefront", base=2,
+                     return_targets=True)
+    ref = _reference(W, f_out.A, f_in.A, q, 4, return_targets=True)
+    assert r.engine == "numba" and r.method == "wavefront"
+    np.testing.assert_array_equal(r.values, ref.values)
+    np.testing.assert_allclose(r.targets, ref.targets, rtol=1e-10, atol=1e-10)
+    rs = bakron.solve(np.stack([W, -W]), f_out.A, f_in.A, q, tile=4, method="wavefront",
+                      base=2, return_targets=True)
+    assert rs.engine == "numba" and rs.targets.shape == (2, 40, 36)
+    np.testing.assert_array_equal(rs.values[0], ref.values)

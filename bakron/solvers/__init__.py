@@ -111,7 +111,7 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         Tile shape; the last tile row/column is smaller when it does not divide W.
     method : {"auto", "naive", "antidiagonal", "recursive", "wavefront"}
         All give the same Ŵ (exactly in float64). ``auto`` picks by the engine's measured
-        rules. ``wavefront`` (the two-level schedule) runs on the cuda engine only.
+        rules. ``wavefront`` (the two-level schedule) runs on the numba and cuda engines.
     engine : {"auto", "array_api", "numba", "cuda"}
         Which executor runs the schedule (docs/architecture.md). ``auto``: the CUDA engine
         for cupy inputs, numba for numpy inputs, when their capability tables take the
@@ -124,7 +124,8 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         rule, docs/engines.md; 8 on the array-API engine).
     return_targets : bool
         Record every tile's target (for the loss identity). With ``engine="auto"`` the
-        array-API engine runs (its targets are the reference's sums).
+        array-API engine runs (its targets are the reference's sums), except for
+        ``method="wavefront"``, which it does not have.
 
     Returns
     -------
@@ -167,13 +168,22 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         check_factor_block(xp, A_out, tx, "A_out", blk_out)
 
     p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
-    if return_targets and engine == "auto":
-        engine = "array_api"
+    if return_targets and engine == "auto" and method != "wavefront":
+        engine = "array_api"  # the reference's sums (the array-API engine has no wavefront)
     eng = _pick_engine(engine, p, method, variant)
-    if method == "wavefront" and eng.NAME != "cuda":
-        raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
-                         "engine only (cupy arrays); use 'recursive', 'antidiagonal' or 'auto'")
+    check_wavefront(eng, method)
     return execute(p, eng, method, None if auto_base else base, variant, max_naive_bytes)
+
+
+def check_wavefront(eng, method: str) -> None:
+    """``method="wavefront"`` on an engine without it (the array-API engine, which ``auto``
+    falls back to for a quantizer the compiled engines cannot run): a ``ValueError`` that
+    names the argument."""
+    if method == "wavefront" and not eng.CAPABILITIES.runs(method, "accumulator"):
+        raise ValueError(f"method='wavefront' (the two-level wavefront) is not available on "
+                         f"engine {eng.NAME!r}: it runs on the numba engine (numpy arrays) and "
+                         f"the cuda engine (cupy arrays), with a bakron.UniformQuantizer; use "
+                         f"method='recursive', 'antidiagonal' or 'auto'")
 
 
 def execute(p: Problem, eng, method: str, base: int | None, variant: str,

@@ -60,7 +60,8 @@ def engine_check(solvers, xp, chunk, engine: str, return_targets: bool) -> dict:
     from ._problem import Problem
 
     W0, A_out0, A_in0, _ = chunk.item(0)
-    want = "array_api" if return_targets and engine == "auto" else engine
+    want = "array_api" if (return_targets and engine == "auto"
+                           and chunk.method != "wavefront") else engine
     out, by_type = {}, {}
     for q in chunk.quantizers:
         if id(q) in out:
@@ -70,10 +71,7 @@ def engine_check(solvers, xp, chunk, engine: str, return_targets: bool) -> dict:
             continue
         p = Problem(xp, W0, A_out0, A_in0, q, chunk.tile, record_targets=return_targets)
         eng = solvers._pick_engine(want, p, chunk.method, chunk.variant)
-        if chunk.method == "wavefront" and eng.NAME != "cuda":
-            raise ValueError("method='wavefront' (the two-level GPU schedule) runs on the cuda "
-                             "engine only (cupy arrays); use 'recursive', 'antidiagonal' or "
-                             "'auto'")
+        solvers.check_wavefront(eng, chunk.method)
         out[id(q)] = by_type[type(q)] = eng
     return out
 

@@ -5,7 +5,8 @@ it holds no arrays. The executors carry the plans out with their own arithmetic:
 
 * the array-API executor (``bakron.solvers.recursive``, ``antidiagonal``), on any namespace;
 * the numba CPU engine (``backends/numba_cpu.py``): the recursion plan as an op table run by
-  one compiled call, the tile wavefront inside its base-block kernels;
+  one compiled call, the two-level wavefront as a task table (the blocks of a coarse step in
+  a ``prange``), the tile wavefront inside its base-block kernels;
 * the CUDA engine (``backends/numba_cuda.py``): the recursion plan level by level (all the
   leaves of a phase in one launch), the two-level wavefront (one launch per coarse step),
   the tile wavefront inside its kernel.

@@ -15,9 +15,9 @@ How a stack runs (``SolveResult.info["stack"]`` says which path ran):
    per item at most, besides the inputs and the stacked outputs).
 3. A chunk goes to the engine in one call when the engine has ``solve_stack`` (the hook for a
    one-launch GPU version); otherwise its items go to their engine one by one (what the
-   single-layer solve runs after its checks), on ``workers`` threads when the engine says
-   its kernels release the GIL (``stack_threads``), with BLAS and numba threads split so
-   that workers × threads ≤ cores.
+   single-layer solve runs after its checks), on ``workers`` threads when the engine's rule
+   ``stack_threads(chunk, cores)`` says so (its kernels release the GIL), with BLAS and
+   numba threads split so that workers × threads ≤ cores.
 
 See docs/stacks.md for the engine contract and the measurements.
 """
@@ -221,8 +221,10 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     tile, method, engine, variant, base, return_targets, max_naive_bytes
         As in :func:`bakron.solve`, for every item.
     workers : int, optional
-        Threads that solve items concurrently. Default: the number of cores when the engine
-        declares that its kernels release the GIL (``stack_threads``), else 1. With more than
+        Threads that solve items concurrently. Default: the engine's rule
+        ``stack_threads(chunk, cores)`` when it has one (the numba engine: docs/stacks.md,
+        "Threads"), the number of cores when it declares ``stack_threads = True``, else 1.
+        With more than
         one worker, BLAS (through threadpoolctl, when installed) and numba get
         ``cores // workers`` threads each for the duration of the stack.
     max_bytes : int, optional
@@ -321,9 +323,17 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     one_engine = len(names) == 1
     eng = next(iter(engines.values())) if one_engine else None
     n_cores = cores()
-    if workers is None:
-        workers = n_cores if (one_engine and eng is not None
-                            and capability(eng, "stack_threads")) else 1
+    rule = capability(eng, "stack_threads") if one_engine and eng is not None else None
+    if workers is not None:
+        chosen_by = "workers="
+    elif callable(rule):  # the engine's rule: stack_threads(chunk, cores) -> threads
+        chosen_by = "engine rule stack_threads"
+        workers = int(rule(StackChunk(0, chunk_items, W_flat, A_out_flat, A_in_flat, w_idx,
+                                      out_idx, in_idx, qs, (tx, ty), method, base, variant,
+                                      None, None, None), n_cores))
+    else:
+        chosen_by = "engine flag stack_threads" if rule else "serial (no stack_threads)"
+        workers = n_cores if rule else 1
     workers = max(1, min(int(workers), chunk_items, B))
     threads = max(1, n_cores // workers) if workers > 1 else None
     stack_fn = capability(eng, "solve_stack") if eng is not None else None
@@ -363,6 +373,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
         "shape": stack, "items": B, "chunks": -(-B // chunk_items), "chunk_items": chunk_items,
         "budget_bytes": budget, "path": ", ".join(sorted(set(paths))), "workers": workers,
         "threads_per_worker": threads, "blas_threads": blas_limit, "cores": n_cores,
+        "workers_by": chosen_by,
     }
     return SolveResult(values=xp.reshape(values, shape),
                        codes=None if codes is None else xp.reshape(codes, shape),
