@@ -352,8 +352,8 @@ def test_sigterm_removes_the_temporary_folder(tmp_path):
     rng = np.random.default_rng(0)
     layers = tmp_path / "in"
     layers.mkdir()
-    for i in range(40):
-        np.savez(layers / f"l{i:02d}.npz", **_layer(64, 96, i))
+    for i in range(200):  # long enough that the signal lands mid-run on a loaded machine too
+        np.savez(layers / f"l{i:03d}.npz", **_layer(64, 96, i))
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "bakron", "quantize", str(layers), "--out",
                              str(out), "--engine", "array_api", "--quiet"],
@@ -365,7 +365,9 @@ def test_sigterm_removes_the_temporary_folder(tmp_path):
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
+    if proc.returncode == 0 or (proc.returncode == -signal.SIGTERM and out.is_dir()):
+        # finished before the signal, or during the interpreter's shutdown after the command
+        # had returned (the default handler then ends it, with the output complete)
         pytest.skip("the run finished before the signal")
     assert proc.returncode == cli.EXIT_INTERRUPTED, err
     assert "terminated (SIGTERM)" in err and not out.exists()
