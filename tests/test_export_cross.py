@@ -26,6 +26,7 @@ from bakron.models import load_llm  # noqa: E402
 from bakron.models.llm import LlamaConfig, UnsupportedModelError  # noqa: E402
 from bakron.models.llm.hf_folder import hf_name  # noqa: E402
 from bakron.quantize_model import quantize_model, work_folder  # noqa: E402
+from test_export_gguf import from_llama  # noqa: E402  (the inverse of llama.cpp's Q/K order)
 from test_export_gptq import read_safetensors  # noqa: E402
 from test_llm_loaders import (MERGES, TOKENS, llama_cpp_permute, tiny_config,  # noqa: E402
                               tiny_weights, write_gguf, write_hf_folder)
@@ -34,18 +35,6 @@ Q = gguf.GGMLQuantizationType
 FAST = {"calib_seqs": 4, "calib_len": 16, "progress": False}
 IDS = [[5, 70, 3, 259, 100, 44, 1, 9, 200], [7, 7, 8]]
 TEXT = " the 12 thé theme <|endoftext|> then"
-
-
-def from_llama_cpp(W, heads):
-    """The inverse of llama.cpp's Q/K row order (the tests' own, row by row)."""
-    rows = W.shape[0]
-    hd = rows // heads
-    out = np.empty_like(W)
-    for h in range(heads):
-        for i in range(hd // 2):
-            out[h * hd + i] = W[h * hd + 2 * i]
-            out[h * hd + hd // 2 + i] = W[h * hd + 2 * i + 1]
-    return out
 
 
 def gguf_tensors(path):
@@ -69,7 +58,7 @@ def bits(a):
 def hf_order(name, W, cfg):
     """A GGUF tensor's values in the Hugging Face row order (llama Q/K un-permuted)."""
     if cfg.arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
-        return from_llama_cpp(W, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        return from_llama(W, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
     return W
 
 
