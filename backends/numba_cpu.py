@@ -266,8 +266,8 @@ ANTIDIAGONAL_MAX_WORK = 2 * 512 ** 3
 
 #: ``method="auto"`` takes the two-level wavefront when numba has at least
 #: ``WAVEFRONT_MIN_THREADS`` threads and m n (m + n) >= ``WAVEFRONT_MIN_WORK``.
-#: PROVISIONAL: to be set from the 16-core measurement (docs/engines.md, "Many cores"); the
-#: values are the issue's starting point, not measured yet.
+#: PROVISIONAL: starting points, not measured yet; to be set from the 16-core measurement
+#: (docs/engines.md, "Many cores").
 WAVEFRONT_MIN_THREADS = 8
 WAVEFRONT_MIN_WORK = 2 * 1024 ** 3
 
