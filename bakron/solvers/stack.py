@@ -28,7 +28,7 @@ import os
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -223,10 +223,9 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     workers : int, optional
         Threads that solve items concurrently. Default: the engine's rule
         ``stack_threads(chunk, cores)`` when it has one (the numba engine: docs/stacks.md,
-        "Threads"), the number of cores when it declares ``stack_threads = True``, else 1.
-        With more than
-        one worker, BLAS (through threadpoolctl, when installed) and numba get
-        ``cores // workers`` threads each for the duration of the stack.
+        "Threads"), else 1. With more than one worker, BLAS (through threadpoolctl, when
+        installed) and numba get ``cores // workers`` threads each for the duration of the
+        stack.
     max_bytes : int, optional
         Working memory for the stack (besides inputs and the stacked outputs); items are
         taken in chunks of ``max_bytes // (4 m n itemsize)`` (at least one). Default: half of
@@ -328,12 +327,9 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
         chosen_by = "workers="
     elif callable(rule):  # the engine's rule: stack_threads(chunk, cores) -> threads
         chosen_by = "engine rule stack_threads"
-        workers = int(rule(StackChunk(0, chunk_items, W_flat, A_out_flat, A_in_flat, w_idx,
-                                      out_idx, in_idx, qs, (tx, ty), method, base, variant,
-                                      None, None, None), n_cores))
+        workers = int(rule(replace(full, stop=chunk_items), n_cores))  # the first chunk
     else:
-        chosen_by = "engine flag stack_threads" if rule else "serial (no stack_threads)"
-        workers = n_cores if rule else 1
+        chosen_by, workers = "serial (no stack_threads)", 1
     workers = max(1, min(int(workers), chunk_items, B))
     threads = max(1, n_cores // workers) if workers > 1 else None
     stack_fn = capability(eng, "solve_stack") if eng is not None else None
