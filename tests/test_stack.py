@@ -422,3 +422,24 @@ def test_items_are_checked_once_by_the_stack(monkeypatch):
     calls.clear()
     res = bakron.solve(W, A_out, A_in, bakron.UniformQuantizer(3, 0.5), tile=4, engine="numba")
     assert calls == [] and res.engine == "numba"
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not available")
+def test_stack_checks_in_several_passes_name_the_bad_item(monkeypatch):
+    """The stack-wide checks take a few matrices per pass and look at the passes' results
+    once: a bad item in a later pass is still found and named."""
+    import bakron.solvers.stack as st
+
+    monkeypatch.setattr(st, "_PASS_ELEMENTS", 2 * 16 * 16)  # two 16 x 16 matrices a pass
+    assert st._pass_items(np, 16, 16) == 2
+    W, A_out, A_in = _simple(B=7, m=16, n=16)
+    q = bakron.UniformQuantizer(3, 0.5)
+    A_in[5, 1, 12] = 0.25          # pass 3 of 4
+    with pytest.raises(ValueError, match=r"A_in\[5\] \(flattened stack\)"):
+        bakron.solve(W, A_out, A_in, q, tile=4, engine="numba")
+    A_in[5, 1, 12] = 0.0
+    W[6, 3, 3] = np.nan            # the last pass, a single matrix
+    with pytest.raises(ValueError, match=r"W contains 1 NaN or Inf entry"):
+        bakron.solve(W, A_out, A_in, q, tile=4, engine="numba")
+    W[6, 3, 3] = 0.0
+    assert bakron.solve(W, A_out, A_in, q, tile=4, engine="numba").values.shape == (7, 16, 16)

@@ -165,38 +165,52 @@ def _default_budget(xp) -> int:
         return 1 << 32
 
 
-#: Elements per pass of the stack-wide checks: the temporaries of a pass stay in cache
-#: (one pass over a 16 MB stack at a time cost as much as the per-item checks it replaces).
+#: Elements per pass of the stack-wide checks on the CPU: the temporaries of a pass stay in
+#: cache (one pass over a 16 MB stack at a time cost as much as the per-item checks it
+#: replaced). On a GPU a pass is a few kernel launches whatever its size, so passes are
+#: larger there (``_GPU_PASS_ELEMENTS``: temporaries of at most 64 MiB in float32), and the
+#: passes' results stay on the device until one synchronisation per array (at 64 × 1024²
+#: the per-item passes with one synchronisation each took 30-50 ms, more than the solve).
 _PASS_ELEMENTS = 1 << 18
+_GPU_PASS_ELEMENTS = 1 << 24
+
+
+def _pass_items(xp, r: int, c: int) -> int:
+    """Matrices of ``r x c`` per pass of a stack-wide check."""
+    per = _GPU_PASS_ELEMENTS if _xp.is_cupy(xp) else _PASS_ELEMENTS
+    return max(1, per // max(1, r * c))
 
 
 def _check_finite_stack(xp, flat, name: str) -> None:
-    """No NaN or Inf in ``flat`` (k, r, c), checked a few matrices at a time; the single
-    check counts the bad entries for the message."""
+    """No NaN or Inf in ``flat`` (k, r, c), checked a few matrices at a time (one
+    synchronisation); the single check counts the bad entries for the message."""
     k, r, c = flat.shape
-    step = max(1, _PASS_ELEMENTS // max(1, r * c))
-    for j0 in range(0, k, step):
-        if not bool(xp.all(xp.isfinite(flat[j0:min(k, j0 + step), ...]))):
-            check_finite(xp, flat, name)
+    if k == 0:
+        return
+    step = _pass_items(xp, r, c)
+    ok = [xp.all(xp.isfinite(flat[j0:min(k, j0 + step), ...])) for j0 in range(0, k, step)]
+    if not bool(xp.all(xp.stack(ok))):
+        check_finite(xp, flat, name)
 
 
 def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str) -> None:
     """Every factor of the stack ``A`` (k, s, s) is ``L - I``: one mask for all of them,
-    factors taken a few at a time (``_PASS_ELEMENTS``, or one factor); the single-layer
+    factors taken a few at a time (``_pass_items``; one synchronisation); the single-layer
     check words the error for the first bad one."""
     k, s = A.shape[0], A.shape[-1]
+    if k == 0:
+        return
     i = xp.arange(s, device=_xp.device(A))
     blk = i // block
     forbidden = ((i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None]))[None, ...]
     zero = xp.zeros((1, 1, 1), dtype=A.dtype, device=_xp.device(A))
-    step = max(1, _PASS_ELEMENTS // (s * s))
-    for j0 in range(0, k, step):
-        part = A[j0:min(k, j0 + step), ...]
-        bad = xp.max(xp.abs(xp.where(forbidden, part, zero)), axis=(1, 2))
-        if float(xp.max(bad)) != 0.0:
-            j = j0 + int(_xp.to_numpy(xp.argmax(xp.astype(bad != 0, xp.int8))))
-            label = name if k == 1 else f"{name}[{j}] (flattened stack)"
-            solvers._check_strictly_lower(xp, A[j, ...], block, label)
+    step = _pass_items(xp, s, s)
+    bad = xp.concat([xp.max(xp.abs(xp.where(forbidden, A[j0:min(k, j0 + step), ...], zero)),
+                            axis=(1, 2)) for j0 in range(0, k, step)])
+    if float(xp.max(bad)) != 0.0:
+        j = int(_xp.to_numpy(xp.argmax(xp.astype(bad != 0, xp.int8))))
+        label = name if k == 1 else f"{name}[{j}] (flattened stack)"
+        solvers._check_strictly_lower(xp, A[j, ...], block, label)
 
 
 def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
