@@ -21,6 +21,9 @@ Modes (each writes one page into ``--out``, default ``docs/benchmarks``, with it
   stack with the cuda engine's stack hook off (``stack, items``: one item after the other)
   and on (``stack, antidiagonal``, ``stack, wavefront``, ``stack, auto``: every launch over
   all items), and the floor; writes ``stack-h200.md`` (``--name`` to rename);
+* ``--gpu --block``: the seven linears of a Llama-3-8B block through
+  ``bakron.quantize_layers`` (what the runners call) against their summed floor products;
+  writes ``stack-h200-block.md``;
 * ``--gpu --suite``: the same for the workloads of ``GPU_SUITE`` (64 × 1024², an MoE block
   128 × 768×2048 and 128 × 2048×768, 64 × 256²) in one process; writes one table,
   ``stack-h200-suite.md``.
@@ -240,6 +243,90 @@ def _gpu_suite(args, command) -> int:
     return 0
 
 
+#: a Llama-3-8B decoder block (hidden 4096, 8 KV heads of 128, MLP 14336): (name, m, n,
+#: which input Hessian, which output Hessian); layers sharing an input share its Hessian
+LLAMA3_8B_BLOCK = (("q_proj", 4096, 4096, "attn_in", "q"), ("k_proj", 1024, 4096, "attn_in", "k"),
+                   ("v_proj", 1024, 4096, "attn_in", "v"), ("o_proj", 4096, 4096, "o_in", "o"),
+                   ("gate_proj", 14336, 4096, "mlp_in", "gate"),
+                   ("up_proj", 14336, 4096, "mlp_in", "up"),
+                   ("down_proj", 4096, 14336, "down_in", "down"))
+
+
+def _gpu_block(args, command) -> int:
+    """``--gpu --block``: the seven linears of a Llama-3-8B block through
+    :func:`bakron.quantize_layers` (the runners' core: factor preparation, same-shape layers
+    stacked, metrics off) against the summed floor products of the same shapes."""
+    import time
+
+    import cupy
+
+    import bakron
+
+    dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    rng = cupy.random.default_rng(0)
+    dt = np.dtype(args.dtype)
+    dims = {}
+    for _, m, n, hin, hout in LLAMA3_8B_BLOCK:
+        dims[hin], dims[hout] = n, m
+    hess = {}
+    for key, d in dims.items():  # Wishart Hessians, made on the GPU
+        X = rng.standard_normal((d, d + 64), dtype=np.float32)
+        hess[key] = (X @ X.T) / X.shape[1]
+        del X
+    layers = [(rng.standard_normal((m, n), dtype=np.float32).astype(dt), hess[hin], hess[hout])
+              for _, m, n, hin, hout in LLAMA3_8B_BLOCK]
+    sync = cupy.cuda.get_current_stream().synchronize
+
+    def run():
+        res = bakron.quantize_layers(layers, bits=args.bits, tile=(args.tile, args.tile),
+                                     engine=args.engine, metrics="none")
+        sync()
+        return res
+
+    G = [(cupy.eye(m, dtype=dt) + 0.01 * rng.standard_normal((m, m), dtype=np.float32),
+          cupy.eye(n, dtype=dt) + 0.01 * rng.standard_normal((n, n), dtype=np.float32))
+         for _, m, n, _, _ in LLAMA3_8B_BLOCK]
+
+    def floor():
+        for (GO, GI), (W, _, _) in zip(G, layers):
+            GO.T @ W @ GI
+        sync()
+
+    run()
+    floor()
+    walls, solves, floors, infos = [], [], [], None
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        res = run()
+        walls.append(time.perf_counter() - t0)
+        solves.append(sum(r.seconds_solve for r in res))
+        infos = [(r.solve.method, r.solve.info["stack"]["items"], *r.values.shape)
+                 for r in res]
+        t0 = time.perf_counter()
+        floor()
+        floors.append(time.perf_counter() - t0)
+    wall, solve, fl = (float(np.median(v)) for v in (walls, solves, floors))
+    stacks = sorted({f"{b} × {m}×{n}: {meth}" for meth, b, m, n in infos})
+    body = ["| block | quantize_layers wall | of which solves | summed floor | wall ÷ floor | "
+            "solves ÷ floor |", "|---|---:|---:|---:|---:|---:|",
+            f"| Llama-3-8B (7 linears) | {wall * 1e3:.1f} ms | {solve * 1e3:.1f} ms | "
+            f"{fl * 1e3:.2f} ms | {wall / fl:.2f}× | {solve / fl:.2f}× |"]
+    print("\n".join(body), flush=True)
+    intro = [f"The seven linears of a Llama-3-8B block (q, o: 4096²; k, v: 1024×4096; gate, "
+             f"up: 14336×4096; down: 4096×14336), {args.dtype}, tile {args.tile}, "
+             f"{args.bits}-bit, two-sided, on {dev} (cupy, engine {args.engine}, TF32 "
+             f"{'on' if args.tf32 else 'off'}), through `bakron.quantize_layers` with "
+             f"`metrics=\"none\"` (factor preparation from the Hessians, same-shape layers "
+             f"solved as one stack).", "", f"Command: `{command}`", "",
+             f"Stacks solved: {'; '.join(stacks)}. *of which solves*: the stacks' solve times "
+             f"(`seconds_solve` summed); the rest of the wall time prepares the factors "
+             f"(damping, Cholesky, inverse) and fits the grids. *summed floor*: `G_Oᵀ W G_I` "
+             f"of the seven shapes. Medians of {args.repeats} rounds."]
+    _write(os.path.join(args.out, (args.name or "stack-h200-block") + ".md"),
+           "A Llama-3-8B block through the runner on the GPU", intro, body)
+    return 0
+
+
 def _write(path, title, intro, body):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with atomic_path(path) as tmp:
@@ -273,6 +360,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default="auto", help="engine of every solve (default auto)")
     ap.add_argument("--suite", action="store_true",
                     help="with --gpu: every workload of GPU_SUITE, one table")
+    ap.add_argument("--block", action="store_true",
+                    help="with --gpu: a Llama-3-8B block through quantize_layers")
     ap.add_argument("--name", default=None, help="page name (default by mode)")
     ap.add_argument("--out", default=os.path.join("docs", "benchmarks"))
     ap.add_argument("--point", type=int, default=None, help=argparse.SUPPRESS)
@@ -326,6 +415,8 @@ def main(argv=None) -> int:
 
         if args.suite:
             return _gpu_suite(args, command)
+        if args.block:
+            return _gpu_block(args, command)
 
         p = run_point(args.B, args.m, args.n, tile=args.tile, bits=args.bits, dtype=args.dtype,
                       workers=(1,), repeats=args.repeats, budget=args.budget, gpu=True)
