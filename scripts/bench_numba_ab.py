@@ -183,7 +183,9 @@ def run_point(case: dict, tree: str, threads: int, cpus: list[int], inner: int,
               python: str = sys.executable, extra_env: dict | None = None) -> dict:
     """One fresh process for (tree, threads, case); its result dict."""
     tree = os.path.abspath(tree)
-    env = dict(os.environ, PYTHONPATH=tree)
+    # the tree first; the caller's PYTHONPATH after it (packages installed with --target)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [tree] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
     env.update({k: str(threads) for k in THREAD_VARS})
     env.update(extra_env or {})  # --env wins, e.g. OPENBLAS_NUM_THREADS=1
     cores = cpus[:threads]
