@@ -265,11 +265,13 @@ ANTIDIAGONAL_MAX_WORK = 2 * 512 ** 3
 
 
 #: ``method="auto"`` takes the two-level wavefront when numba has at least
-#: ``WAVEFRONT_MIN_THREADS`` threads and m n (m + n) >= ``WAVEFRONT_MIN_WORK``.
-#: PROVISIONAL: starting points, not measured yet; to be set from the 16-core measurement
-#: (docs/engines.md, "Many cores").
-WAVEFRONT_MIN_THREADS = 8
-WAVEFRONT_MIN_WORK = 2 * 1024 ** 3
+#: ``WAVEFRONT_MIN_THREADS`` threads and m n (m + n) >= ``WAVEFRONT_MIN_WORK`` (and the
+#: anti-diagonal rule above has not applied). Measured on the 16-core device host and the
+#: 2-core machine (docs/engines.md, "Many cores"): from 1024² up, the wavefront is
+#: 1.1-1.4x faster than the recursion on 2 and 4 threads and as fast or faster on 16
+#: (1.6x at 4096²); on 1 thread the recursion is faster at 4096² (2640 vs 2817 ms).
+WAVEFRONT_MIN_THREADS = 2
+WAVEFRONT_MIN_WORK = 2 * 512 ** 3
 
 
 def numba_threads() -> int:
@@ -296,9 +298,10 @@ def auto_method(p, base: int) -> str:
 
 
 #: Stack items run on several Python threads (the kernels release the GIL) only when one
-#: item has at least this much work m n (m + n): below it a thread hand-off costs more than
-#: it saves. PROVISIONAL: to be set from the 16-core measurement (docs/stacks.md, "Threads").
-STACK_THREADS_MIN_WORK = 2 * 128 ** 3
+#: item has at least this much work m n (m + n). Measured on the 16-core device host
+#: (docs/stacks.md, "Threads"): 64 x 256² on 4 / 16 workers 2.0x / 1.9x faster than on one;
+#: 64 x 128² no faster on 4 (34 vs 35 ms) and slower on 16 (41 vs 35 ms).
+STACK_THREADS_MIN_WORK = 2 * 256 ** 3
 
 #: numba threading layers that may run parallel regions from several threads at once
 THREAD_SAFE_LAYERS = ("tbb", "omp")

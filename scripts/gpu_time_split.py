@@ -138,8 +138,10 @@ def main(argv=None) -> int:
         cupy.get_default_memory_pool().free_all_blocks()
     text = "\n".join(rows) + "\n"
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+        from bakron._lib.fs import atomic_path
+
+        with atomic_path(args.out) as tmp:
+            tmp.write_text(text)
     print(text)
     return 0
 

@@ -426,15 +426,16 @@ def test_wavefront_table_is_the_schedule():
 def test_auto_rule_takes_the_wavefront_with_threads_and_work(monkeypatch):
     """``method="auto"``: the wavefront from ``WAVEFRONT_MIN_THREADS`` numba threads and
     ``WAVEFRONT_MIN_WORK``; the recursion below either, the anti-diagonal for small problems."""
-    assert nc.WAVEFRONT_MIN_THREADS == 8 and nc.WAVEFRONT_MIN_WORK == 2 * 1024 ** 3
+    t = nc.WAVEFRONT_MIN_THREADS
+    assert t >= 2  # one thread: the recursion (faster there at 4096², docs/engines.md)
     W, f_in, f_out = problem(0, 96, 80, 4, 4)
     q = bakron.UniformQuantizer.fit(W, 3)
-    monkeypatch.setattr(nc, "numba_threads", lambda: 8)
+    monkeypatch.setattr(nc, "numba_threads", lambda: t)
     monkeypatch.setattr(nc, "WAVEFRONT_MIN_WORK", 96 * 80 * 176)
     assert bakron.solve(W, f_out.A, f_in.A, q, tile=4).method == "wavefront"
-    monkeypatch.setattr(nc, "numba_threads", lambda: 7)
+    monkeypatch.setattr(nc, "numba_threads", lambda: t - 1)
     assert bakron.solve(W, f_out.A, f_in.A, q, tile=4).method == "recursive"
-    monkeypatch.setattr(nc, "numba_threads", lambda: 8)
+    monkeypatch.setattr(nc, "numba_threads", lambda: t)
     monkeypatch.setattr(nc, "WAVEFRONT_MIN_WORK", 96 * 80 * 176 + 1)
     assert bakron.solve(W, f_out.A, f_in.A, q, tile=4).method == "recursive"
     # tiles of >= 256 elements and a small problem: the anti-diagonal, whatever the threads
@@ -452,12 +453,13 @@ def test_stack_threads_rule(monkeypatch):
         return SimpleNamespace(start=3, stop=3 + items, W=np.zeros((1, m, n)))
 
     monkeypatch.setattr(nc, "threading_layer", lambda: "omp")
-    assert nc.STACK_THREADS_MIN_WORK == 2 * 128 ** 3
-    assert nc.stack_threads(chunk(8, 128, 128), 4) == 4
-    assert nc.stack_threads(chunk(3, 128, 128), 16) == 3
+    k = round((nc.STACK_THREADS_MIN_WORK / 2) ** (1 / 3))  # square items at the threshold
+    assert 2 * k ** 3 == nc.STACK_THREADS_MIN_WORK
+    assert nc.stack_threads(chunk(8, k, k), 4) == 4
+    assert nc.stack_threads(chunk(3, k, k), 16) == 3
     assert nc.stack_threads(chunk(1, 512, 512), 16) == 1
     assert nc.stack_threads(chunk(8, 512, 512), 1) == 1
-    assert nc.stack_threads(chunk(8, 127, 128), 16) == 1
+    assert nc.stack_threads(chunk(8, k - 1, k), 16) == 1
     monkeypatch.setattr(nc, "threading_layer", lambda: "workqueue")
     assert nc.stack_threads(chunk(8, 512, 512), 16) == 1
 
@@ -468,11 +470,12 @@ def _cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
 
 
-def test_stack_items_on_threads_equal_single_solves():
+def test_stack_items_on_threads_equal_single_solves(monkeypatch):
     """A stack above the rule's threshold runs its items on threads (the kernels are nogil);
     every item equals its own single solve, and ``info`` says what ran."""
     rng = np.random.default_rng(3)
     B, m, n = 3, 136, 128
+    monkeypatch.setattr(nc, "STACK_THREADS_MIN_WORK", m * n * (m + n))  # small, fast items
     W = rng.standard_normal((B, m, n))
     _, f_in, f_out = problem(2, m, n, 8, 8)
     qs = bakron.fit_quantizers(W, 2)
