@@ -264,9 +264,11 @@ ANTIDIAGONAL_MIN_TILE = 256
 ANTIDIAGONAL_MAX_WORK = 2 * 512 ** 3
 
 
-#: ``method="auto"`` takes the two-level wavefront when numba has at least
-#: ``WAVEFRONT_MIN_THREADS`` threads and m n (m + n) >= ``WAVEFRONT_MIN_WORK`` (and the
-#: anti-diagonal rule above has not applied). Measured on the 16-core device host and the
+#: ``method="auto"`` takes the two-level wavefront for two-sided problems when numba has at
+#: least ``WAVEFRONT_MIN_THREADS`` threads and m n (m + n) >= ``WAVEFRONT_MIN_WORK`` (and
+#: the anti-diagonal rule above has not applied); one-sided problems keep the recursion (on
+#: 2 threads, tile 1, 576 x 1536 and the like, the one-sided wavefront measured 0.9-1.2x the
+#: recursion's time: no gain). Measured on the 16-core device host and the
 #: 2-core machine (docs/engines.md, "Many cores"): from 1024² up, the wavefront is
 #: 1.1-1.4x faster than the recursion on 2 and 4 threads and as fast or faster on 16
 #: (1.6x at 4096²); on 1 thread the recursion is faster at 4096² (2640 vs 2817 ms).
@@ -286,12 +288,12 @@ def auto_method(p, base: int) -> str:
     accumulator wavefront (one small BLAS product per tile and step) is as fast as or faster
     than the recursion up to about 512 x 512 with 16 x 16 tiles, and slower for smaller tiles
     (per-tile overhead) or larger matrices (its products cannot use the second core); with
-    many threads and a large problem the two-level wavefront, whose blocks of one coarse step
-    run in parallel (``WAVEFRONT_*``); the recursion everywhere else."""
+    several threads and a large two-sided problem the two-level wavefront, whose blocks of
+    one coarse step run in parallel (``WAVEFRONT_*``); the recursion everywhere else."""
     if (p.two_sided and p.tx * p.ty >= ANTIDIAGONAL_MIN_TILE
             and p.m * p.n * (p.m + p.n) <= ANTIDIAGONAL_MAX_WORK):
         return "antidiagonal"
-    if (p.m * p.n * (p.m + p.n) >= WAVEFRONT_MIN_WORK
+    if (p.two_sided and p.m * p.n * (p.m + p.n) >= WAVEFRONT_MIN_WORK
             and numba_threads() >= WAVEFRONT_MIN_THREADS):
         return "wavefront"
     return "recursive"

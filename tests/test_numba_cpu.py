@@ -438,6 +438,8 @@ def test_auto_rule_takes_the_wavefront_with_threads_and_work(monkeypatch):
     monkeypatch.setattr(nc, "numba_threads", lambda: t)
     monkeypatch.setattr(nc, "WAVEFRONT_MIN_WORK", 96 * 80 * 176 + 1)
     assert bakron.solve(W, f_out.A, f_in.A, q, tile=4).method == "recursive"
+    monkeypatch.setattr(nc, "WAVEFRONT_MIN_WORK", 96 * 80 * 176)
+    assert bakron.solve(W, None, f_in.A, q, tile=4).method == "recursive"  # one-sided
     # tiles of >= 256 elements and a small problem: the anti-diagonal, whatever the threads
     W, f_in, f_out = problem(0, 64, 64, 16, 16)
     q = bakron.UniformQuantizer.fit(W, 3)
