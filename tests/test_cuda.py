@@ -586,3 +586,30 @@ def test_sim_bench_stack_gpu_suite(tmp_path, monkeypatch):
     assert set(raw["2x5x4"]["median"]) == {"floor", "one by one", "stack, items",
                                            "stack, antidiagonal", "stack, wavefront",
                                            "stack, auto"}
+
+
+@sim_only
+def test_sim_bench_stack_gpu_block(tmp_path, monkeypatch):
+    """``python -m bakron.bench_stack --gpu --block`` end to end on a tiny stand-in block in
+    the simulator: layers sharing Hessians, same-shape layers solved as one stack, the row
+    and the stacks on the page."""
+    import types
+
+    from bakron.benchmarks import stack as bench
+
+    rt = types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"simulator"})
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    fake = types.ModuleType("cupy")
+    fake.eye = np.eye
+    fake.random = types.SimpleNamespace(default_rng=np.random.default_rng)
+    fake.cuda = types.SimpleNamespace(runtime=rt, get_current_stream=lambda: stream)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(bench, "LLAMA3_8B_BLOCK", (
+        ("q", 8, 8, "attn_in", "q"), ("k", 4, 8, "attn_in", "k"), ("v", 4, 8, "attn_in", "v"),
+        ("down", 8, 12, "down_in", "down")))
+    assert bench.main(["--gpu", "--block", "--tile", "2", "--repeats", "1", "--dtype",
+                       "float64", "--engine", "cuda", "--out", str(tmp_path)]) == 0
+    page = (tmp_path / "stack-h200-block.md").read_text()
+    assert "Stacks solved: 1 × 8×12: wavefront; 1 × 8×8: wavefront; 2 × 4×8: " in page
+    row = [ln for ln in page.splitlines() if ln.startswith("| Llama-3-8B")]
+    assert len(row) == 1 and row[0].count("ms") == 3 and row[0].endswith("× |")
