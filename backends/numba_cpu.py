@@ -267,11 +267,12 @@ ANTIDIAGONAL_MAX_WORK = 2 * 512 ** 3
 #: ``method="auto"`` takes the two-level wavefront for two-sided problems when numba has at
 #: least ``WAVEFRONT_MIN_THREADS`` threads and m n (m + n) >= ``WAVEFRONT_MIN_WORK`` (and
 #: the anti-diagonal rule above has not applied); one-sided problems keep the recursion (on
-#: 2 threads, tile 1, 576 x 1536 and the like, the one-sided wavefront measured 0.9-1.2x the
-#: recursion's time: no gain). Measured on the 16-core device host and the
-#: 2-core machine (docs/engines.md, "Many cores"): from 1024² up, the wavefront is
-#: 1.1-1.4x faster than the recursion on 2 and 4 threads and as fast or faster on 16
-#: (1.6x at 4096²); on 1 thread the recursion is faster at 4096² (2640 vs 2817 ms).
+#: 2 threads, tile 1, shapes 192x576 to 1536x576, best of 3 in two rounds: the one-sided
+#: wavefront took 0.7-1.2x the recursion's time, no clear gain; two-sided, 0.8-1.0x).
+#: Measured on the 16-core device host and the 2-core machine (docs/engines.md, "Many
+#: cores"), two-sided, tile 16: from 1024² up, the wavefront is 1.1-1.4x faster than the
+#: recursion on 2 and 4 threads and as fast or faster on 16 (1.6x at 4096²); on 1 thread
+#: the recursion is faster at 4096² (2640 vs 2817 ms).
 WAVEFRONT_MIN_THREADS = 2
 WAVEFRONT_MIN_WORK = 2 * 512 ** 3
 
