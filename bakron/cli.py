@@ -89,15 +89,14 @@ def _check_gpu_needs(args) -> None:
         raise UsageError("--method wavefront runs on the numba and cuda engines, not on "
                          "--engine array_api; use --engine auto, numba or cuda, or another "
                          "--method")
-    need = [f"--{k} {v}" for k, v in (("engine", args.engine),) if v == "cuda"]
-    if not need:
+    if args.engine != "cuda":
         return
     if args.device == "cpu" and not getattr(args, "gpus", None):
-        raise UsageError(f"{' and '.join(need)} run on a GPU; add --device gpu (or auto)")
+        raise UsageError("--engine cuda runs on a GPU; add --device gpu (or auto)")
     try:
         array_module("gpu")
     except RuntimeError as exc:
-        raise Unavailable(f"{' and '.join(need)} need a GPU: {exc}") from None
+        raise Unavailable(f"--engine cuda needs a GPU: {exc}") from None
 
 
 class _Parser(argparse.ArgumentParser):

@@ -157,14 +157,14 @@ def test_gpu_only_options(tmp_path, capsys, monkeypatch, opt):
     np.savez(src, **_layer())
     out = tmp_path / "out"
     rc, err = run(["quantize", src, "--out", out, *opt], capsys)
-    assert rc == cli.EXIT_USAGE and "run on a GPU; add --device gpu" in err
+    assert rc == cli.EXIT_USAGE and "--engine cuda runs on a GPU; add --device gpu (or auto)" in err
     _nothing_written(tmp_path, out)
 
     def no_gpu(device="auto"):
         raise RuntimeError("device='gpu' but cupy sees no CUDA device")
     monkeypatch.setattr(io, "array_module", no_gpu)
     rc, err = run(["quantize", src, "--out", out, "--device", "gpu", *opt], capsys)
-    assert rc == cli.EXIT_UNAVAILABLE and "need a GPU" in err
+    assert rc == cli.EXIT_UNAVAILABLE and "--engine cuda needs a GPU: device='gpu'" in err
     _nothing_written(tmp_path, out)
 
 
