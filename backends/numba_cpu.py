@@ -185,11 +185,12 @@ def _cached_table(m: int, n: int, tx: int, ty: int, base: int, two: bool):
     return op_table(RecursionPlan(tile_edges(m, tx), tile_edges(n, ty), base, two))
 
 
-def wavefront_table(M: int, N: int, rows: list, cols: list, base: int, two_sided: bool):
-    """The coarse steps of ``schedule.two_level`` as the task table of ``run_wavefront``:
-    ``tasks`` rows ``[r0, r1, c0, c1]`` (elements), one per block, step after step, and
-    ``steps`` (the first task of every step, then the number of tasks)."""
-    coarse = two_level(M, N, base, two_sided)
+def wavefront_table(rows: list, cols: list, base: int, two_sided: bool):
+    """The coarse steps of ``schedule.two_level`` over the tiles with edges ``rows`` and
+    ``cols`` as the task table of ``run_wavefront``: ``tasks`` rows ``[r0, r1, c0, c1]``
+    (elements), one per block, step after step, and ``steps`` (the first task of every
+    step, then the number of tasks)."""
+    coarse = two_level(len(rows) - 1, len(cols) - 1, base, two_sided)
     tasks = np.array([[rows[b.ra], rows[b.rb], cols[b.ca], cols[b.cb]]
                       for st in coarse for b in st.blocks], dtype=np.int64).reshape(-1, 4)
     steps = np.cumsum([0] + [len(st.blocks) for st in coarse]).astype(np.int64)
@@ -201,7 +202,7 @@ def _cached_wavefront(m: int, n: int, tx: int, ty: int, base: int, two: bool):
     from bakron.solvers.schedule import tile_edges
 
     rows, cols = tile_edges(m, tx), tile_edges(n, ty)
-    return wavefront_table(len(rows) - 1, len(cols) - 1, rows, cols, base, two)
+    return wavefront_table(rows, cols, base, two)
 
 
 def run(p, method: str, base: int, variant: str) -> EngineResult:

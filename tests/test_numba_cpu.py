@@ -410,7 +410,7 @@ def test_wavefront_table_is_the_schedule():
 
     rows, cols = tile_edges(70, 8), tile_edges(45, 4)
     for two in (True, False):
-        tasks, steps = nc.wavefront_table(len(rows) - 1, len(cols) - 1, rows, cols, 3, two)
+        tasks, steps = nc.wavefront_table(rows, cols, 3, two)
         coarse = two_level(len(rows) - 1, len(cols) - 1, 3, two)
         assert len(steps) == len(coarse) + 1 and steps[-1] == len(tasks)
         cover = np.zeros((70, 45), int)
