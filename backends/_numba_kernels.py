@@ -70,18 +70,37 @@ def _cblas_sig(ft):
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
-def _numpy_cblas():
-    """Addresses of ``cblas_sgemm``/``cblas_dgemm`` (64-bit integers) of the OpenBLAS that
-    numpy's wheels ship and use, or None when numpy uses another BLAS."""
+def _numpy_openblas():
+    """The OpenBLAS that numpy's wheels ship and use (already loaded by numpy: the same
+    library and thread pool), or None when numpy uses another BLAS."""
     libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
     for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas64_*.so*"))):
         try:
-            lib = ctypes.CDLL(path)  # already loaded by numpy: the same library and pool
-            return tuple(ctypes.cast(getattr(lib, f"scipy_cblas_{k}gemm64_"),
-                                     ctypes.c_void_p).value for k in "sd")
+            lib = ctypes.CDLL(path)
+            for name in ("scipy_cblas_sgemm64_", "scipy_cblas_dgemm64_"):
+                getattr(lib, name)
+            return lib
         except (OSError, AttributeError):
             continue
     return None
+
+
+def _numpy_cblas(lib):
+    """Addresses of ``cblas_sgemm``/``cblas_dgemm`` (64-bit integers) of ``lib``."""
+    return tuple(ctypes.cast(getattr(lib, f"scipy_cblas_{k}gemm64_"), ctypes.c_void_p).value
+                 for k in "sd")
+
+
+def _blas_thread_count(lib):
+    """``(get, set)`` of ``lib``'s thread count (process-wide), or None."""
+    try:
+        get = lib.scipy_openblas_get_num_threads64_
+        put = lib.scipy_openblas_set_num_threads64_
+    except AttributeError:
+        return None
+    get.restype, get.argtypes = ctypes.c_int, []
+    put.restype, put.argtypes = None, [ctypes.c_int]
+    return get, put
 
 
 def _adapter(kind):
@@ -103,7 +122,11 @@ def _adapter(kind):
     return adapter
 
 
-_NUMPY_CBLAS = _numpy_cblas()
+_OPENBLAS = _numpy_openblas()
+_NUMPY_CBLAS = None if _OPENBLAS is None else _numpy_cblas(_OPENBLAS)
+#: ``(get, set)`` of the kernels' BLAS thread count when it can be set (numpy's OpenBLAS),
+#: else None (``numba_cpu._blas_on_one_thread``)
+BLAS_THREADS = None if _OPENBLAS is None else _blas_thread_count(_OPENBLAS)
 if _NUMPY_CBLAS is not None:
     BLAS = "numpy's OpenBLAS (cblas, ILP64)"
     _llvm.add_symbol("bakron_cblas_sgemm", _NUMPY_CBLAS[0])
@@ -479,56 +502,115 @@ def solve_blocks(tasks, t0, t1, W, FE, AO, AI, two_sided, Wq, codes, T, useT, tx
                            r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
 
 
+#: Rows per task of the wavefront's gathers (``GATHER_ROWS``) and scatters
+#: (``SCATTER_ROWS``): each block's product is cut into row pieces of this height, run in a
+#: ``prange`` on single-threaded BLAS, so that the whole step runs on numba's threads and
+#: BLAS's own pool stays idle. Constants, not functions of the thread count, so that every
+#: product is summed in the same order on any number of threads. Measured: docs/engines.md.
+GATHER_ROWS = 32
+SCATTER_ROWS = 128
+
+
 @njit(cache=True, nogil=True)
-def gather_two_sided(tasks, t0, t1, FE, Y, AI):
+def _piece_gemm(blas1, C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta):
+    """One piece of a gather or scatter on the calling thread: one BLAS call when BLAS is
+    set to one thread (``blas1``, ``numba_cpu._blas_on_one_thread``), else split along
+    ``k`` below OpenBLAS's threading threshold (``_gemm_k``)."""
+    if blas1:
+        _blas(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta)
+    else:
+        _gemm_k(C, oc, ldc, A, oa, lda, ta, B, ob, ldb, tb, m, n, k, beta)
+
+
+@njit(cache=True, nogil=True)
+def _piece_starts(counts):
+    """Prefix sums: task ``q`` of a flattened list belongs to entry ``i`` with
+    ``starts[i] <= q < starts[i + 1]``."""
+    starts = np.zeros(counts.shape[0] + 1, np.int64)
+    for i in range(counts.shape[0]):
+        starts[i + 1] = starts[i] + counts[i]
+    return starts
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gather_two_sided(tasks, t0, t1, blas1, FE, Y, AI):
     """Offsets of the blocks ``tasks[t0:t1]`` from every block solved before:
-    ``F_AB = (Y G_I)_AB = Y[A, cB] + Y[A, c0:] A_I[c0:, cB]`` (``Y = G_O^T Ẽ``), one BLAS
-    product per block (multi-threaded BLAS when large, ``gemm``)."""
+    ``F_AB = (Y G_I)_AB = Y[A, cB] + Y[A, c0:] A_I[c0:, cB]`` (``Y = G_O^T Ẽ``), in row
+    pieces of ``GATHER_ROWS`` (prange, single-threaded BLAS)."""
     n = FE.shape[1]
-    for k in range(t0, t1):
-        r0, r1, c0, c1 = tasks[k, 0], tasks[k, 1], tasks[k, 2], tasks[k, 3]
+    counts = np.empty(t1 - t0, np.int64)
+    for k in range(t1 - t0):
+        counts[k] = (tasks[t0 + k, 1] - tasks[t0 + k, 0] + GATHER_ROWS - 1) // GATHER_ROWS
+    starts = _piece_starts(counts)
+    for q in prange(starts[t1 - t0]):
+        k = np.searchsorted(starts, q, side="right") - 1
+        r0 = tasks[t0 + k, 0] + (q - starts[k]) * GATHER_ROWS
+        r1 = min(r0 + GATHER_ROWS, tasks[t0 + k, 1])
+        c0, c1 = tasks[t0 + k, 2], tasks[t0 + k, 3]
         copy_into(FE, r0 * n + c0, n, Y, r0 * n + c0, n, r1 - r0, c1 - c0)
-        gemm(FE, r0 * n + c0, n, Y, r0 * n + c0, n, False, AI, c0 * n + c0, n, False,
-             r1 - r0, c1 - c0, n - c0, 1.0)
+        _piece_gemm(blas1, FE, r0 * n + c0, n, Y, r0 * n + c0, n, False, AI, c0 * n + c0, n,
+                    False, r1 - r0, c1 - c0, n - c0, 1.0)
 
 
-@njit(cache=True, nogil=True)
-def scatter_two_sided(tasks, t0, t1, FE, Y, AO):
+@njit(cache=True, nogil=True, parallel=True)
+def gather_one_sided(c0, c1, blas1, FE, AI):
+    """Offsets of the coarse column ``[c0, c1)`` from the errors to its right:
+    ``F[:, cB] = E[:, c1:] A_I[c1:, cB]``, in row pieces (prange, single-threaded BLAS)."""
+    m, n = FE.shape
+    for q in prange((m + GATHER_ROWS - 1) // GATHER_ROWS):
+        r0 = q * GATHER_ROWS
+        r1 = min(r0 + GATHER_ROWS, m)
+        _piece_gemm(blas1, FE, r0 * n + c0, n, FE, r0 * n + c1, n, False, AI, c1 * n + c0, n,
+                    False, r1 - r0, c1 - c0, n - c1, 0.0)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def scatter_two_sided(tasks, t0, t1, blas1, FE, Y, AO):
     """Push the errors of the solved blocks ``tasks[t0:t1]`` into the accumulator:
-    ``Y[:r1, cB] += G_O[A, :r1]^T E_AB`` (one BLAS product per block and the identity)."""
+    ``Y[:r1, cB] += G_O[A, :r1]^T E_AB`` (the GEMM, then the identity on the rows of ``A``),
+    in row pieces of ``Y`` (prange, single-threaded BLAS). Blocks of a step have disjoint
+    columns, pieces of a block disjoint rows."""
     m = AO.shape[0]
     n = FE.shape[1]
-    for k in range(t0, t1):
-        r0, r1, c0, c1 = tasks[k, 0], tasks[k, 1], tasks[k, 2], tasks[k, 3]
-        gemm(Y, c0, n, AO, r0 * m, m, True, FE, r0 * n + c0, n, False,
-             r1, c1 - c0, r1 - r0, 1.0)
-        add_into(Y, r0 * n + c0, n, FE, r0 * n + c0, n, r1 - r0, c1 - c0)
+    counts = np.empty(t1 - t0, np.int64)
+    for k in range(t1 - t0):
+        counts[k] = (tasks[t0 + k, 1] + SCATTER_ROWS - 1) // SCATTER_ROWS
+    starts = _piece_starts(counts)
+    for q in prange(starts[t1 - t0]):
+        k = np.searchsorted(starts, q, side="right") - 1
+        r0, r1 = tasks[t0 + k, 0], tasks[t0 + k, 1]
+        c0, c1 = tasks[t0 + k, 2], tasks[t0 + k, 3]
+        y0 = (q - starts[k]) * SCATTER_ROWS
+        y1 = min(y0 + SCATTER_ROWS, r1)
+        _piece_gemm(blas1, Y, y0 * n + c0, n, AO, r0 * m + y0, m, True, FE, r0 * n + c0, n,
+                    False, y1 - y0, c1 - c0, r1 - r0, 1.0)
+        a0, a1 = max(y0, r0), min(y1, r1)   # the identity: rows of A in this piece
+        if a1 > a0:
+            add_into(Y, a0 * n + c0, n, FE, a0 * n + c0, n, a1 - a0, c1 - c0)
 
 
 @njit(cache=True, nogil=True)
-def run_wavefront(tasks, steps, W, FE, Y, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
+def run_wavefront(tasks, steps, blas1, W, FE, Y, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
                   s_tab, z_tab, gs, lo, hi, sym):
     """Execute the two-level wavefront (``numba_cpu.wavefront_table``): step ``s`` is the
-    blocks ``tasks[steps[s]:steps[s + 1]]``. Per step: gather the offsets (BLAS), solve the
-    blocks (prange), scatter their errors (BLAS). ``FE`` (zero on entry) holds the offsets,
-    then the errors; two-sided ``Y`` (zero on entry) is the accumulator ``G_O^T Ẽ``.
-    One-sided, a step is a column of blocks and gathers ``E[:, c1:] A_I[c1:, cB]`` directly
-    from the errors to its right."""
-    m, n = W.shape
+    blocks ``tasks[steps[s]:steps[s + 1]]``. Per step three parallel regions on numba's
+    threads: gather the offsets, solve the blocks, scatter their errors (the products in
+    row pieces on single-threaded BLAS; ``blas1``: BLAS is set to one thread). ``FE`` (zero
+    on entry) holds the offsets, then the errors; two-sided ``Y`` (zero on entry) is the
+    accumulator ``G_O^T Ẽ``. One-sided, a step is a column of blocks and gathers
+    ``E[:, c1:] A_I[c1:, cB]`` directly from the errors to its right."""
     ns = steps.shape[0] - 1
     for s in range(ns):
         t0, t1 = steps[s], steps[s + 1]
         if s > 0:
             if two_sided:
-                gather_two_sided(tasks, t0, t1, FE, Y, AI)
-            else:  # one product for the whole column of blocks
-                c0, c1 = tasks[t0, 2], tasks[t0, 3]
-                gemm(FE, c0, n, FE, c1, n, False, AI, c1 * n + c0, n, False,
-                     m, c1 - c0, n - c1, 0.0)
+                gather_two_sided(tasks, t0, t1, blas1, FE, Y, AI)
+            else:
+                gather_one_sided(tasks[t0, 2], tasks[t0, 3], blas1, FE, AI)
         solve_blocks(tasks, t0, t1, W, FE, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
                      s_tab, z_tab, gs, lo, hi, sym)
         if two_sided and s < ns - 1:
-            scatter_two_sided(tasks, t0, t1, FE, Y, AO)
+            scatter_two_sided(tasks, t0, t1, blas1, FE, Y, AO)
 
 
 # ---------------------------------------------------------------------------------------

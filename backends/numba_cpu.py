@@ -18,7 +18,8 @@ What runs compiled (``backends/_numba_kernels.py``):
 * ``method="wavefront"``: the two-level wavefront of ``bakron.solvers.schedule.two_level``
   (coarse blocks of ``base`` tiles): per coarse step a task table of its independent blocks,
   solved in a numba ``prange`` (each block by the base-block kernel on one thread), with the
-  feedback products between steps as BLAS GEMMs that use BLAS's threads
+  feedback products between steps cut into row pieces, also in a ``prange``, each piece one
+  single-threaded BLAS call (BLAS is set to one thread meanwhile, ``_blas_on_one_thread``)
   (docs/engines.md, "Many cores");
 * ``method="antidiagonal"``: the accumulator variant (one step per anti-diagonal, the tiles
   of a diagonal one after the other) and the direct variant (two BLAS products per tile).
@@ -238,8 +239,9 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
         tasks, steps = _cached_wavefront(p.m, p.n, p.tx, p.ty, int(base), two)
         FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets of unsolved blocks, then errors
         Y = np.zeros((p.m, p.n), dtype=io.dtype) if two else io.dummy  # G_O^T Ẽ
-        K.run_wavefront(tasks, steps, io.W, FE, Y, AO, io.AI, two, io.Wq, io.codes, io.T,
-                        io.record_targets, p.tx, p.ty, *io.grid())
+        with _blas_on_one_thread() as blas1:
+            K.run_wavefront(tasks, steps, blas1, io.W, FE, Y, AO, io.AI, two, io.Wq,
+                            io.codes, io.T, io.record_targets, p.tx, p.ty, *io.grid())
         out = io.result()
         out.info.update(coarse_steps=int(steps.shape[0] - 1), blocks=int(tasks.shape[0]),
                         numba_threads=numba_threads(), threading_layer=threading_layer())
@@ -250,6 +252,37 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
     K.run_plan(ops, io.W, FE, AO, io.AI, two, io.Wq, io.codes, io.T, io.record_targets, buf,
                p.tx, p.ty, PANEL, *io.grid())
     return io.result()
+
+
+_PIN_LOCK = threading.Lock()
+_pinned = [0, None]  # solves inside _blas_on_one_thread, BLAS's thread count before them
+
+
+@contextmanager
+def _blas_on_one_thread():
+    """BLAS (numpy's OpenBLAS, the kernels' own) set to one thread while the block runs, so
+    that the wavefront's gathers and scatters run as single-threaded BLAS calls on numba's
+    threads; yields whether it could (else the kernels split their products below
+    OpenBLAS's threading threshold). The setting is process-wide: numpy products on other
+    threads meanwhile run on one thread too. Nested and concurrent solves count in and out;
+    the last restores the count the first found."""
+    fns = _kernels().BLAS_THREADS
+    if fns is None:
+        yield False
+        return
+    get, put = fns
+    with _PIN_LOCK:
+        if _pinned[0] == 0:
+            _pinned[1] = int(get())
+            put(1)
+        _pinned[0] += 1
+    try:
+        yield True
+    finally:
+        with _PIN_LOCK:
+            _pinned[0] -= 1
+            if _pinned[0] == 0:
+                put(_pinned[1])
 
 
 def auto_base(p) -> int:

@@ -404,6 +404,79 @@ def test_wavefront_is_the_same_on_any_number_of_threads():
             np.testing.assert_array_equal(o.codes, outs[0].codes)
 
 
+def test_wavefront_pieces_split_gathers_and_scatters_exactly(monkeypatch):
+    """Blocks taller than ``GATHER_ROWS`` and matrices taller than ``SCATTER_ROWS``: the
+    gathers and scatters run in several row pieces (the identity of a scatter inside one of
+    them); Ŵ and codes equal the recursion's in float64, targets up to order, with BLAS set
+    to one thread (one call per piece) and without (pieces split along k), on 1 and all
+    numba threads; the BLAS thread count is back afterwards."""
+    import numba
+
+    K = nc._kernels()
+    tile, base = (16, 8), 3
+    assert base * tile[0] > K.GATHER_ROWS
+    for two_sided in (True, False):
+        W, f_in, f_out = problem(11, 300, 264, *tile, two_sided=two_sided)
+        assert W.shape[0] > 2 * K.SCATTER_ROWS
+        q = bakron.UniformQuantizer.fit(W, 3)
+        AO = None if f_out is None else f_out.A
+        rec = bakron.solve(W, AO, f_in.A, q, tile=tile, method="recursive", engine="numba",
+                           return_targets=True)
+        before = numba.get_num_threads()
+        for pinned in (K.BLAS_THREADS, None):
+            monkeypatch.setattr(K, "BLAS_THREADS", pinned)
+            for t in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+                numba.set_num_threads(t)
+                try:
+                    r = bakron.solve(W, AO, f_in.A, q, tile=tile, method="wavefront",
+                                     base=base, engine="numba", return_targets=True)
+                finally:
+                    numba.set_num_threads(before)
+                np.testing.assert_array_equal(r.values, rec.values)
+                np.testing.assert_array_equal(r.codes, rec.codes)
+                np.testing.assert_allclose(r.targets, rec.targets, rtol=1e-10, atol=1e-10)
+
+
+def test_blas_on_one_thread_counts_in_and_out():
+    """The wavefront sets numpy's OpenBLAS to one thread while it runs: nested and
+    concurrent solves count in and out, and the last one out restores the count."""
+    import threading
+
+    get_put = nc._kernels().BLAS_THREADS
+    if get_put is None:  # pragma: no cover - numpy with another BLAS
+        with nc._blas_on_one_thread() as pinned:
+            assert pinned is False
+        return
+    get, put = get_put
+    before = get()
+    put(2)
+    try:
+        with nc._blas_on_one_thread() as pinned:
+            assert pinned is True and get() == 1
+            with nc._blas_on_one_thread():
+                assert get() == 1
+            assert get() == 1  # the inner one left; the outer still runs
+        assert get() == 2
+        inside, go = threading.Barrier(3), threading.Event()
+
+        def solve_like():
+            with nc._blas_on_one_thread():
+                inside.wait()
+                go.wait()
+
+        workers = [threading.Thread(target=solve_like) for _ in range(2)]
+        for w in workers:
+            w.start()
+        inside.wait()
+        assert get() == 1
+        go.set()
+        for w in workers:
+            w.join()
+        assert get() == 2
+    finally:
+        put(before)
+
+
 def test_wavefront_table_is_the_schedule():
     """The task table is ``schedule.two_level`` in elements: every tile once, steps in order."""
     from bakron.solvers.schedule import tile_edges, two_level
