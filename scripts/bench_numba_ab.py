@@ -21,7 +21,9 @@ Cases (``KIND:SIZE[@BASE]``; SIZE ``N`` for N x N or ``MxN``):
             ``recursive``, ``wavefront``, ``antidiagonal`` (accumulator) or ``auto``; ``@BASE``
             the base / coarse block in tiles (default: the engine's rule);
 ``stack``   ``stack:BxN`` or ``stack:BxMxN``: B layers in one ``bakron.solve`` (method auto,
-            per-item quantizers); the table notes ``info["stack"]["path"]``.
+            per-item quantizers); the table notes ``info["stack"]["path"]``;
+``floor1``, ``rec1``, ``wave1``   one-sided (``A_out=None``): the product ``W G_I`` and the
+            recursion and the wavefront.
 
 A tree whose engine lacks a method reports ``n/a`` for it.
 """
@@ -38,7 +40,8 @@ import time
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
                "MKL_NUM_THREADS")
 KINDS = {"floor": None, "rec": "recursive", "wave": "wavefront", "anti": "antidiagonal",
-         "auto": "auto", "stack": "auto"}
+         "auto": "auto", "stack": "auto", "floor1": None, "rec1": "recursive",
+         "wave1": "wavefront"}
 
 
 # -- parsing ----------------------------------------------------------------------------------
@@ -136,13 +139,15 @@ def child(case: dict, tree: str, cores: list[int], inner: int) -> dict:
     B, m, n, t = case["items"], case["m"], case["n"], 16
     shape = (B, m, n) if case["kind"] == "stack" else (m, n)
     W = rng.standard_normal(shape).astype(np.float32)
-    AO, AI = _factor(rng, m, t), _factor(rng, n, t)
+    one_sided = case["kind"].endswith("1")
+    AO, AI = None if one_sided else _factor(rng, m, t), _factor(rng, n, t)
     info: dict = {}
-    if case["kind"] == "floor":
-        GO, GI = np.eye(m, dtype=np.float32) + AO, np.eye(n, dtype=np.float32) + AI
+    if case["kind"] in ("floor", "floor1"):
+        GI = np.eye(n, dtype=np.float32) + AI
+        GO = None if one_sided else np.eye(m, dtype=np.float32) + AO
 
         def fn():
-            return GO.T @ W @ GI
+            return W @ GI if GO is None else GO.T @ W @ GI
     else:
         q = bakron.fit_quantizers(W, 2) if case["kind"] == "stack" else \
             bakron.UniformQuantizer.fit(W, 2)

@@ -25,8 +25,8 @@ def test_parsing():
     st = ab.parse_case("stack:64x256")
     assert (st["items"], st["m"], st["n"]) == (64, 256, 256)
     assert ab.parse_case("stack:8x128x64")["n"] == 64
-    assert [c["kind"] for c in ab.parse_cases("floor:1024,rec:1024,anti:64")] == \
-        ["floor", "rec", "anti"]
+    assert [c["kind"] for c in ab.parse_cases("floor:1024,rec:1024,anti:64,wave1:64")] == \
+        ["floor", "rec", "anti", "wave1"]
     assert ab.parse_env(["OMP_WAIT_POLICY=PASSIVE"]) == {"OMP_WAIT_POLICY": "PASSIVE"}
     for bad in ("wave", "fast:12", "rec:0", "stack:12", "wave:64@0"):
         with pytest.raises(ValueError):
@@ -43,7 +43,7 @@ def test_tiny_run_writes_json(tmp_path, capsys):
     cpus = sorted(os.sched_getaffinity(0))[:1] if hasattr(os, "sched_getaffinity") else [0]
     rc = ab.main(["--old", ROOT, "--new", ROOT, "--cpus", ",".join(map(str, cpus)),
                   "--threads", "1", "--rounds", "1", "--inner", "1",
-                  "--cases", "floor:32,rec:48,wave:48@2,stack:2x32", "--json", str(out),
+                  "--cases", "floor:32,rec:48,wave:48@2,stack:2x32,wave1:48@2", "--json", str(out),
                   "--env", "OPENBLAS_NUM_THREADS=1"])
     assert rc == 0
     text = capsys.readouterr().out
@@ -51,11 +51,12 @@ def test_tiny_run_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["env"] == {"OPENBLAS_NUM_THREADS": "1"}
     assert [d["case"] for d in data["summary"]] == ["floor:32", "rec:48", "wave:48@2",
-                                                   "stack:2x32"]
+                                                   "stack:2x32", "wave1:48@2"]
     for d in data["summary"]:
         assert d["old"] > 0 and d["new"] > 0
     ran = {d["case"]: d["new_ran"] for d in data["summary"]}
     assert ran["wave:48@2"]["method"] == "wavefront" and ran["wave:48@2"]["base"] == 2
+    assert ran["wave1:48@2"]["method"] == "wavefront"
     assert ran["stack:2x32"]["path"]
     for r in data["rows"]:
         assert r["numba_threads"] == 1 and len(r["affinity"]) == 1
