@@ -43,8 +43,8 @@ import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "op_table",
            "wavefront_table", "stack_threads", "threading_layer", "warm_up", "PANEL",
-           "BASE_ELEMENTS", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_MIN_WORK",
-           "STACK_THREADS_MIN_WORK"]
+           "BASE_ELEMENTS", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_ONE_SIDED_MIN_THREADS",
+           "WAVEFRONT_MIN_WORK", "STACK_THREADS_MIN_WORK"]
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT, Block,
@@ -299,15 +299,17 @@ ANTIDIAGONAL_MAX_WORK = 2 * 512 ** 3
 
 
 #: ``method="auto"`` takes the two-level wavefront for two-sided problems when numba has at
-#: least ``WAVEFRONT_MIN_THREADS`` threads and m n (m + n) >= ``WAVEFRONT_MIN_WORK`` (and
-#: the anti-diagonal rule above has not applied); one-sided problems keep the recursion (on
-#: 2 threads, tile 1, shapes 192x576 to 1536x576, best of 3 in two rounds: the one-sided
-#: wavefront took 0.7-1.2x the recursion's time, no clear gain; two-sided, 0.8-1.0x).
-#: Measured on the 16-core device host and the 2-core machine (docs/engines.md, "Many
-#: cores"), two-sided, tile 16: from 1024² up, the wavefront is 1.1-1.4x faster than the
-#: recursion on 2 and 4 threads and as fast or faster on 16 (1.6x at 4096²); on 1 thread
-#: the recursion is faster at 4096² (2640 vs 2817 ms).
+#: least ``WAVEFRONT_MIN_THREADS`` threads, for one-sided ones from
+#: ``WAVEFRONT_ONE_SIDED_MIN_THREADS``, and m n (m + n) >= ``WAVEFRONT_MIN_WORK`` (and the
+#: anti-diagonal rule above has not applied). Measured on the 16-core device host and the
+#: 2-core machine (docs/engines.md, "Many cores"), tile 16: two-sided from 1024² up, the
+#: wavefront is 1.1-1.5x faster than the recursion on 2 and 4 threads and 1.5-2.1x on 16; on
+#: 1 thread the recursion is faster at 4096² (2640 vs 2817 ms). One-sided 2048²: the
+#: wavefront took 0.79x the recursion's time on 4 threads and 0.43x on 16; on 2 threads, tile
+#: 1, shapes 192x576 to 1536x576, 0.7-1.2x (no clear gain), so one-sided problems on 2-3
+#: threads keep the recursion.
 WAVEFRONT_MIN_THREADS = 2
+WAVEFRONT_ONE_SIDED_MIN_THREADS = 4
 WAVEFRONT_MIN_WORK = 2 * 512 ** 3
 
 
@@ -323,13 +325,14 @@ def auto_method(p, base: int) -> str:
     accumulator wavefront (one small BLAS product per tile and step) is as fast as or faster
     than the recursion up to about 512 x 512 with 16 x 16 tiles, and slower for smaller tiles
     (per-tile overhead) or larger matrices (its products cannot use the second core); with
-    several threads and a large two-sided problem the two-level wavefront, whose blocks of
-    one coarse step run in parallel (``WAVEFRONT_*``); the recursion everywhere else."""
+    several threads and a large problem the two-level wavefront, whose blocks of one coarse
+    step run in parallel (``WAVEFRONT_*``; one-sided problems from more threads than
+    two-sided); the recursion everywhere else."""
     if (p.two_sided and p.tx * p.ty >= ANTIDIAGONAL_MIN_TILE
             and p.m * p.n * (p.m + p.n) <= ANTIDIAGONAL_MAX_WORK):
         return "antidiagonal"
-    if (p.two_sided and p.m * p.n * (p.m + p.n) >= WAVEFRONT_MIN_WORK
-            and numba_threads() >= WAVEFRONT_MIN_THREADS):
+    least = WAVEFRONT_MIN_THREADS if p.two_sided else WAVEFRONT_ONE_SIDED_MIN_THREADS
+    if p.m * p.n * (p.m + p.n) >= WAVEFRONT_MIN_WORK and numba_threads() >= least:
         return "wavefront"
     return "recursive"
 

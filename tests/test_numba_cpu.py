@@ -497,8 +497,9 @@ def test_wavefront_table_is_the_schedule():
 
 
 def test_auto_rule_takes_the_wavefront_with_threads_and_work(monkeypatch):
-    """``method="auto"``: the wavefront from ``WAVEFRONT_MIN_THREADS`` numba threads and
-    ``WAVEFRONT_MIN_WORK``; the recursion below either, the anti-diagonal for small problems."""
+    """``method="auto"``: the wavefront from ``WAVEFRONT_MIN_THREADS`` numba threads
+    (one-sided: ``WAVEFRONT_ONE_SIDED_MIN_THREADS``) and ``WAVEFRONT_MIN_WORK``; the
+    recursion below either, the anti-diagonal for small problems."""
     t = nc.WAVEFRONT_MIN_THREADS
     assert t >= 2  # one thread: the recursion (faster there at 4096², docs/engines.md)
     W, f_in, f_out = problem(0, 96, 80, 4, 4)
@@ -512,7 +513,13 @@ def test_auto_rule_takes_the_wavefront_with_threads_and_work(monkeypatch):
     monkeypatch.setattr(nc, "WAVEFRONT_MIN_WORK", 96 * 80 * 176 + 1)
     assert bakron.solve(W, f_out.A, f_in.A, q, tile=4).method == "recursive"
     monkeypatch.setattr(nc, "WAVEFRONT_MIN_WORK", 96 * 80 * 176)
-    assert bakron.solve(W, None, f_in.A, q, tile=4).method == "recursive"  # one-sided
+    # one-sided: from WAVEFRONT_ONE_SIDED_MIN_THREADS (more than two-sided needs)
+    t1 = nc.WAVEFRONT_ONE_SIDED_MIN_THREADS
+    assert t1 > t
+    monkeypatch.setattr(nc, "numba_threads", lambda: t1 - 1)
+    assert bakron.solve(W, None, f_in.A, q, tile=4).method == "recursive"
+    monkeypatch.setattr(nc, "numba_threads", lambda: t1)
+    assert bakron.solve(W, None, f_in.A, q, tile=4).method == "wavefront"
     # tiles of >= 256 elements and a small problem: the anti-diagonal, whatever the threads
     W, f_in, f_out = problem(0, 64, 64, 16, 16)
     q = bakron.UniformQuantizer.fit(W, 3)
