@@ -303,8 +303,9 @@ ANTIDIAGONAL_MAX_WORK = 2 * 512 ** 3
 #: ``WAVEFRONT_ONE_SIDED_MIN_THREADS``, and m n (m + n) >= ``WAVEFRONT_MIN_WORK`` (and the
 #: anti-diagonal rule above has not applied). Measured on the 16-core device host and the
 #: 2-core machine (docs/engines.md, "Many cores"), tile 16: two-sided from 1024² up, the
-#: wavefront is 1.1-1.5x faster than the recursion on 2 and 4 threads and 1.5-2.1x on 16; on
-#: 1 thread the recursion is faster at 4096² (2640 vs 2817 ms). One-sided 2048²: the
+#: wavefront was 1.1-1.4x faster than the recursion on 2 and 4 threads with the previous
+#: gathers and scatters, and is 1.5x (1024²) and 2.1x (2048²) faster on 16 now; on 1 thread
+#: the recursion is faster at 4096² (2640 vs 2817 ms). One-sided 2048²: the
 #: wavefront took 0.79x the recursion's time on 4 threads and 0.43x on 16; on 2 threads, tile
 #: 1, shapes 192x576 to 1536x576, 0.7-1.2x (no clear gain), so one-sided problems on 2-3
 #: threads keep the recursion.
