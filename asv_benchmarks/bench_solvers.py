@@ -17,6 +17,9 @@ Default run: 256² … 2048², float32 and float64, engines numba and array_api;
 combinations (the O(n⁴) direct anti-diagonal beyond 1024², the array-API engine beyond
 1024², float64 beyond 1024²) and the MLP shapes 4096 x 11008 / 11008 x 4096 are skipped
 unless ``BAKRON_ASV_FULL=1``. numba's JIT is warmed up in ``setup``.
+
+``OneSided``: one-sided problems (``A_out=None``) on the numba engine, the recursion and the
+wavefront, 512² … 2048², float32, against the floor ``W G_I``.
 """
 import os
 import time
@@ -158,3 +161,48 @@ class Solvers:
         return sig3(peak / (m * n * p["W"].dtype.itemsize))
 
     track_extra_memory_mn.unit = "m·n elements"
+
+
+class OneSided:
+    """One-sided problems (``A_out=None``, LDLQ/GPTQ) on the numba engine: the recursion and
+    the two-level wavefront (which ``auto`` takes from ``WAVEFRONT_ONE_SIDED_MIN_THREADS``
+    numba threads), float32; ``track_time_over_floor`` against ``W G_I``."""
+
+    params = [["recursive", "wavefront"], ["512x512", "1024x1024", "2048x2048"]]
+    param_names = ["method", "shape"]
+    timeout = 600
+    number = 1
+    repeat = (3, 10, 60.0)
+
+    def setup(self, method, shape):
+        from bakron.backends import numba_cpu
+
+        if not numba_cpu.available():
+            raise NotImplementedError("numba is not installed")
+        numba_cpu.warm_up()
+        self.p = _problem(shape, "float32")
+        self.kw = dict(tile=TILE, method=method, engine="numba")
+        self._solve()
+
+    def _solve(self):
+        p = self.p
+        return bakron.solve(p["W"], None, p["A_in"], p["q"], **self.kw)
+
+    def time_solve(self, method, shape):
+        self._solve()
+
+    def track_time_over_floor(self, method, shape):
+        p = self.p
+        n = p["W"].shape[1]
+        GI = np.eye(n, dtype=p["W"].dtype) + p["A_in"]
+        floor, solve = [], []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            p["W"] @ GI
+            floor.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            self._solve()
+            solve.append(time.perf_counter() - t0)
+        return sig3(np.median(solve) / np.median(floor))
+
+    track_time_over_floor.unit = "× floor"
