@@ -60,3 +60,19 @@ def test_threads_option_is_checked(capsys):
     with pytest.raises(SystemExit):
         cpu.main(["--threads", "0"])
     assert "--threads must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cpu.main(["--threads", "1", "--methods", "recursive,fastest"])
+    err = capsys.readouterr().err
+    assert "--methods must name methods of the table" in err and "'recursive,fastest'" in err
+
+
+def test_methods_option_limits_the_table(tmp_path):
+    """``--methods``: only those methods are timed (the floor always)."""
+    out = tmp_path / "bench"
+    p = subprocess.run([sys.executable, "-m", "bakron.bench", "--threads", "1", "--quick",
+                        "--methods", "recursive,wavefront", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = cpu.parse_threads_table((out / "cpu-threads.md").read_text())
+    assert {(r["size"], r["method"]) for r in rows} == {
+        (n, m) for n in cpu.THREAD_QUICK_SIZES for m in ("recursive", "wavefront")}

@@ -472,8 +472,9 @@ def _method_label(method: str, variant: str) -> str:
 
 
 def thread_child(threads: int, sizes, repeats: int, dtype: str, tile: int, bits: int,
-                 direct_max: int, budget: float) -> dict:
-    """One thread count, in this (fresh) process: the floor and every CPU method per size.
+                 direct_max: int, budget: float, methods=None) -> dict:
+    """One thread count, in this (fresh) process: the floor and every CPU method per size
+    (``methods``: only those labels, e.g. ``["recursive", "wavefront"]``).
     The environment's thread variables were set by the parent before Python started; the
     process pins itself to ``threads`` cores when it may run on that many."""
     pinned = False
@@ -499,6 +500,8 @@ def thread_child(threads: int, sizes, repeats: int, dtype: str, tile: int, bits:
         for m, v in cpu_methods():
             if v == "direct" and n > direct_max:  # O(n^4): minutes at 4096
                 continue
+            if methods is not None and _method_label(m, v) not in methods:
+                continue
             fns[_method_label(m, v)] = (lambda m=m, v=v: bakron.solve(
                 W, AO, AI, q, tile=tile, method=m, variant=v, engine="numba"))
         times = interleaved(fns, repeats, budget)
@@ -516,7 +519,7 @@ def thread_child(threads: int, sizes, repeats: int, dtype: str, tile: int, bits:
 
 
 def run_threads(thread_counts, sizes, *, repeats, dtype, tile, bits, direct_max, budget,
-                workdir, log=print) -> list[dict]:
+                workdir, methods=None, log=print) -> list[dict]:
     """:func:`thread_child` in a fresh ``python`` per thread count, with
     OPENBLAS/NUMBA/OMP/MKL_NUM_THREADS set to it; their results in order."""
     import subprocess
@@ -529,6 +532,8 @@ def run_threads(thread_counts, sizes, *, repeats, dtype, tile, bits, direct_max,
                "--_child-out", path, "--sizes", ",".join(map(str, sizes)),
                "--repeats", str(repeats), "--dtype", dtype, "--tile", str(tile),
                "--bits", str(bits), "--direct-max", str(direct_max), "--budget", str(budget)]
+        if methods is not None:
+            cmd += ["--methods", ",".join(methods)]
         log(f"bakron bench --threads: {t} thread{'s' if t > 1 else ''} (fresh process)")
         p = subprocess.run(cmd, env=env)
         if p.returncode != 0:
@@ -673,6 +678,9 @@ def parser() -> argparse.ArgumentParser:
                          "OPENBLAS/NUMBA/OMP_NUM_THREADS=T (pinned to T cores when there are "
                          "that many) times the floor and every CPU method at --sizes (default "
                          "1024,2048,4096); writes cpu-threads.md/.png/.json to --out")
+    ap.add_argument("--methods", default=None, metavar="M[,M...]",
+                    help="with --threads: only these methods (labels of the table, e.g. "
+                         "recursive,wavefront; default every method of the engine)")
     ap.add_argument("--_thread-child", dest="thread_child", type=int, default=None,
                     help=argparse.SUPPRESS)
     ap.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
@@ -742,10 +750,18 @@ def _prog() -> str:
 
 def _main_threads(ap, args, raw) -> int:
     """``--threads T,...`` (the parent) and ``--_thread-child T`` (one fresh process)."""
+    methods = None
+    if args.methods is not None:
+        methods = [x.strip() for x in args.methods.split(",") if x.strip()]
+        known = [_method_label(m, v) for m, v in cpu_methods()]
+        unknown = [x for x in methods if x not in known]
+        if unknown or not methods:
+            ap.error(f"--methods must name methods of the table ({', '.join(known)}), "
+                     f"got {args.methods!r}")
     if args.thread_child is not None:
         sizes = [int(x) for x in args.sizes.split(",")]
         res = thread_child(args.thread_child, sizes, args.repeats, args.dtype, args.tile,
-                           args.bits, args.direct_max, args.budget)
+                           args.bits, args.direct_max, args.budget, methods)
         from bakron._lib.fs import atomic_path
 
         with atomic_path(args.child_out) as tmp, open(tmp, "w") as fh:
@@ -778,7 +794,7 @@ def _main_threads(ap, args, raw) -> int:
     try:
         results = run_threads(counts, sizes, repeats=args.repeats, dtype=args.dtype,
                               tile=args.tile, bits=args.bits, direct_max=args.direct_max,
-                              budget=args.budget, workdir=args.out)
+                              budget=args.budget, workdir=args.out, methods=methods)
     except RuntimeError as exc:
         print(f"bakron bench --threads: {exc}", file=sys.stderr)
         return 1
