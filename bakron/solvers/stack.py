@@ -181,6 +181,15 @@ def _pass_items(xp, r: int, c: int) -> int:
     return max(1, per // max(1, r * c))
 
 
+def _rows_first(reduce, X):
+    """``reduce`` (``xp.max``, ``xp.all``) of each matrix of ``X`` (k, r, c) -> (k,), over
+    its last axis first. cupy runs a reduction with few outputs (one per matrix of a pass)
+    on about one CUDA block per output: profiled on the H200, the block-lower check of the
+    MoE stack (128 × 768² and 128 × 2048² factors) took 41 ms of a 113 ms solve that way.
+    Reducing the rows first gives the heavy reduction r k outputs; the result is the same."""
+    return reduce(reduce(X, axis=2), axis=1)
+
+
 def _check_finite_stack(xp, flat, name: str) -> None:
     """No NaN or Inf in ``flat`` (k, r, c), checked a few matrices at a time (one
     synchronisation); the single check counts the bad entries for the message."""
@@ -188,7 +197,8 @@ def _check_finite_stack(xp, flat, name: str) -> None:
     if k == 0:
         return
     step = _pass_items(xp, r, c)
-    ok = [xp.all(xp.isfinite(flat[j0:min(k, j0 + step), ...])) for j0 in range(0, k, step)]
+    ok = [xp.all(_rows_first(xp.all, xp.isfinite(flat[j0:min(k, j0 + step), ...])))
+          for j0 in range(0, k, step)]
     if not bool(xp.all(xp.stack(ok))):
         check_finite(xp, flat, name)
 
@@ -205,8 +215,8 @@ def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str) -> None:
     forbidden = ((i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None]))[None, ...]
     zero = xp.zeros((1, 1, 1), dtype=A.dtype, device=_xp.device(A))
     step = _pass_items(xp, s, s)
-    bad = xp.concat([xp.max(xp.abs(xp.where(forbidden, A[j0:min(k, j0 + step), ...], zero)),
-                            axis=(1, 2)) for j0 in range(0, k, step)])
+    parts = (A[j0:min(k, j0 + step), ...] for j0 in range(0, k, step))
+    bad = xp.concat([_rows_first(xp.max, xp.abs(xp.where(forbidden, P, zero))) for P in parts])
     if float(xp.max(bad)) != 0.0:
         j = int(_xp.to_numpy(xp.argmax(xp.astype(bad != 0, xp.int8))))
         label = name if k == 1 else f"{name}[{j}] (flattened stack)"
