@@ -68,6 +68,20 @@ def _problem(shape, dtype):
     return _CACHE[key]
 
 
+def _over_floor(floor, solve, rounds=7):
+    """Median time of ``solve()`` ÷ median time of ``floor()``, ``rounds`` of each
+    interleaved, to 3 significant digits."""
+    tf, ts = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        floor()
+        tf.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        solve()
+        ts.append(time.perf_counter() - t0)
+    return sig3(np.median(ts) / np.median(tf))
+
+
 def _skip(method, shape, dtype, engine):
     m, n = _shape(shape)
     big = max(m, n)
@@ -122,15 +136,7 @@ class Solvers:
         m, n = p["W"].shape
         GO = np.eye(m, dtype=p["W"].dtype) + p["A_out"]
         GI = np.eye(n, dtype=p["W"].dtype) + p["A_in"]
-        floor, solve = [], []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            GO.T @ p["W"] @ GI
-            floor.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            self._solve()
-            solve.append(time.perf_counter() - t0)
-        return sig3(np.median(solve) / np.median(floor))
+        return _over_floor(lambda: GO.T @ p["W"] @ GI, self._solve)
 
     track_time_over_floor.unit = "× floor"
 
@@ -193,16 +199,7 @@ class OneSided:
 
     def track_time_over_floor(self, method, shape):
         p = self.p
-        n = p["W"].shape[1]
-        GI = np.eye(n, dtype=p["W"].dtype) + p["A_in"]
-        floor, solve = [], []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            p["W"] @ GI
-            floor.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            self._solve()
-            solve.append(time.perf_counter() - t0)
-        return sig3(np.median(solve) / np.median(floor))
+        GI = np.eye(p["W"].shape[1], dtype=p["W"].dtype) + p["A_in"]
+        return _over_floor(lambda: p["W"] @ GI, self._solve)
 
     track_time_over_floor.unit = "× floor"
