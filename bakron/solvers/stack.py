@@ -183,9 +183,10 @@ def _pass_items(xp, r: int, c: int) -> int:
 
 def _rows_first(reduce, X):
     """``reduce`` (``xp.max``, ``xp.all``) of each matrix of ``X`` (k, r, c) -> (k,), over
-    its last axis first. cupy runs a reduction with few outputs (one per matrix of a pass)
-    on about one CUDA block per output: profiled on the H200, the block-lower check of the
-    MoE stack (128 × 768² and 128 × 2048² factors) took 41 ms of a 113 ms solve that way.
+    its last axis first. Profiled on the H200, the block-lower check of the MoE stack
+    (128 × 768² and 128 × 2048² factors) took 41 ms of a 113 ms solve when each pass reduced
+    its few matrices straight to one value each; our reading is that cupy runs a reduction
+    with that few outputs on that few CUDA blocks (not profiled at the kernel level).
     Reducing the rows first gives the heavy reduction r k outputs; the result is the same."""
     return reduce(reduce(X, axis=2), axis=1)
 
