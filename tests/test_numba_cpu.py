@@ -439,7 +439,8 @@ def test_wavefront_pieces_split_gathers_and_scatters_exactly(monkeypatch):
 
 def test_blas_on_one_thread_counts_in_and_out():
     """The wavefront sets numpy's OpenBLAS to one thread while it runs: nested and
-    concurrent solves count in and out, and the last one out restores the count."""
+    concurrent solves count in and out, the last one out restores the count, and a whole
+    wavefront solve leaves it as it found it."""
     import threading
 
     get_put = nc._kernels().BLAS_THREADS
@@ -473,6 +474,10 @@ def test_blas_on_one_thread_counts_in_and_out():
         for w in workers:
             w.join()
         assert get() == 2
+        W, f_in, f_out = problem(3, 64, 48, 4, 4)  # a whole solve leaves the count as found
+        r = bakron.solve(W, f_out.A, f_in.A, bakron.UniformQuantizer.fit(W, 2), tile=4,
+                         method="wavefront", engine="numba")
+        assert r.method == "wavefront" and get() == 2
     finally:
         put(before)
 
