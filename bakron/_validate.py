@@ -85,8 +85,39 @@ def check_matrix(xp, x, name: str, *, square: bool = False):
     return x
 
 
+#: Elements per piece of the numpy checks that read a whole matrix (``row_strips``): their
+#: temporaries stay a few MiB instead of ``n²`` fresh pages. At 4096² the whole-matrix
+#: checks took as long as half a 16-thread solve; docs/engines.md, "Many cores". Other
+#: namespaces (a GPU's memory pool) take the whole matrix: fewer launches.
+STRIP_ELEMENTS = 1 << 20
+
+
+def row_strips(xp, rows: int, row_size: int, align: int = 1) -> list[tuple[int, int]]:
+    """``[(r0, r1), ...]`` covering ``range(rows)``: for numpy strips of about
+    ``STRIP_ELEMENTS`` elements (rows of ``row_size`` elements), every strip but the last a
+    multiple of ``align`` rows high; one strip for other namespaces."""
+    from . import _xp
+
+    if not _xp.is_numpy(xp):
+        return [(0, rows)]
+    align = max(int(align), 1)
+    h = max(align, STRIP_ELEMENTS // max(int(row_size), 1) // align * align)
+    return [(r0, min(r0 + h, rows)) for r0 in range(0, rows, h)]
+
+
+def all_finite(xp, x) -> bool:
+    """No NaN or Inf in ``x``: strips along the first axis (``row_strips``), one
+    synchronisation."""
+    if x.ndim == 0 or x.shape[0] == 0:
+        return bool(xp.all(xp.isfinite(x)))
+    strips = row_strips(xp, x.shape[0], math.prod(x.shape[1:]))
+    if len(strips) == 1:
+        return bool(xp.all(xp.isfinite(x)))
+    return bool(xp.all(xp.stack([xp.all(xp.isfinite(x[r0:r1, ...])) for r0, r1 in strips])))
+
+
 def check_finite(xp, x, name: str):
-    if not bool(xp.all(xp.isfinite(x))):
+    if not all_finite(xp, x):
         bad = int(xp.sum(xp.astype(~xp.isfinite(x), xp.int64)))
         raise ValueError(f"{name} contains {bad} NaN or Inf entr{'y' if bad == 1 else 'ies'}")
     return x
@@ -180,12 +211,17 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
     if n <= block:
         return
     dev = _device(A)
-    nz = A != 0
-    live = xp.any(nz, axis=1) | xp.any(nz, axis=0)  # a dead channel has a zero row and column
-    # first non-zero column of each row (n where the row is zero)
-    first = xp.where(xp.any(nz, axis=1), xp.argmax(xp.astype(nz, xp.int8), axis=1),
-                     xp.full((n,), n, dtype=xp.int64, device=dev))
-    del nz
+    # per row: any non-zero, the first non-zero column (n where the row is zero); per
+    # column: any non-zero -- in row strips (row_strips), no n x n temporaries
+    row_any, first, col_any = [], [], None
+    for r0, r1 in row_strips(xp, n, n):
+        nz = A[r0:r1, :] != 0
+        row_any.append(xp.any(nz, axis=1))
+        first.append(xp.astype(xp.argmax(xp.astype(nz, xp.int8), axis=1), xp.int64))
+        col_any = xp.any(nz, axis=0) if col_any is None else col_any | xp.any(nz, axis=0)
+    row_any = xp.concat(row_any)
+    live = row_any | col_any  # a dead channel has a zero row and column
+    first = xp.where(row_any, xp.concat(first), xp.full((n,), n, dtype=xp.int64, device=dev))
     # the tiles just left of the diagonal, gathered as (n - block, block): row r, column
     # (r // block - 1) * block + j -- O(n * block) work, no n x n integer temporaries
     r = xp.arange(block, n, device=dev)
@@ -294,7 +330,7 @@ def check_quantizer_output(quantizer, targets, out, *, full: bool = True):
 
 def check_result_finite(xp, values, quantizer) -> None:
     """The rounded weights must be finite (a quantizer or an engine produced NaN or Inf)."""
-    if not bool(xp.all(xp.isfinite(values))):
+    if not all_finite(xp, values):
         raise ValueError(f"the rounding produced NaN or Inf values: the quantizer "
                          f"{type(quantizer).__name__} returned non-finite values (check its "
                          f"scales in W's dtype)")

@@ -2,6 +2,8 @@
 
 One test per case of docs/reliability.md (API part); W float32 64 x 96, H SPD 96 x 96.
 """
+import types
+
 import numpy as np
 import pytest
 
@@ -342,3 +344,47 @@ def test_progress_messages(layer):
     seen = []
     bakron.quantize_layer(W, H, Ho, bits=3, progress=seen.append)
     assert [m.split(" ")[0] for m in seen] == ["preparing", "solving", "computing"]
+
+
+# -- the whole-matrix checks in row strips ----------------------------------------------------
+
+@pytest.mark.parametrize("strip", [1 << 20, 96 * 16, 96 * 40, 7])
+def test_matrix_checks_in_row_strips_find_every_bad_entry(layer, monkeypatch, strip):
+    """The strictly-lower, coarse-block and finiteness checks read a matrix in strips of
+    ``STRIP_ELEMENTS`` (one strip, whole 16-row blocks, strips of 32 rows, a strip per row
+    block): a forbidden entry right of a strip, in its diagonal square, inside a diagonal
+    block, or a NaN in the last strip is found in every case; a good factor passes."""
+    import bakron._validate as v
+
+    monkeypatch.setattr(v, "STRIP_ELEMENTS", strip)
+    W, H, _ = layer
+    q = bakron.UniformQuantizer.fit(W, 3)
+    A = bakron.prepare_factor(H, 16).A
+    ref = bakron.solve(W, None, A, q, tile=16).values
+    for r, c in [(0, 95), (5, 40), (20, 30), (40, 41), (47, 40), (95, 95), (80, 90)]:
+        B = A.copy()
+        B[r, c] = -1e-3
+        with pytest.raises(ValueError, match="A_in must be strictly block-lower-triangular"):
+            bakron.solve(W, None, B, q, tile=16)
+    B = A.copy()
+    B[95, 3] = np.nan
+    with pytest.raises(ValueError, match="A_in contains 1 NaN"):
+        bakron.solve(W, None, B, q, tile=16)
+    with pytest.raises(ValueError, match="A_in looks like a factor made with a block size "
+                                         "coarser than the tile"):
+        bakron.solve(W, None, bakron.prepare_factor(H, 32).A, q, tile=16)
+    np.testing.assert_array_equal(bakron.solve(W, None, A, q, tile=16).values, ref)
+
+
+def test_row_strips_cover_the_rows_in_aligned_pieces(monkeypatch):
+    import bakron._validate as v
+
+    monkeypatch.setattr(v, "STRIP_ELEMENTS", 1000)
+    for rows, size, align in [(96, 96, 16), (100, 7, 3), (5, 10**6, 4), (1, 1, 1)]:
+        s = v.row_strips(np, rows, size, align)
+        assert s[0][0] == 0 and s[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in zip(s, s[1:]))
+        assert all((r1 - r0) % align == 0 for r0, r1 in s[:-1])
+        assert all((r1 - r0) * size <= max(1000, align * size) for r0, r1 in s)
+    other = types.ModuleType("cupy")  # not numpy: the whole matrix
+    assert v.row_strips(other, 96, 96, 16) == [(0, 96)]

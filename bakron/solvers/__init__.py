@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _xp
-from .._validate import (check_factor_block, check_factor_shape, check_finite,
+from .._validate import (check_factor_block, check_factor_shape, check_finite, row_strips,
                          check_int, check_matrix, check_quantizer, check_real_dtype,
                          check_result_finite, check_tile, factor_array, native)
 from . import engines
@@ -213,10 +213,20 @@ def execute(p: Problem, eng, method: str, base: int | None, variant: str,
 def _check_strictly_lower(xp, A, block: int, name: str) -> None:
     """``A`` must be ``L - I``: zero on and above the diagonal and inside the diagonal blocks."""
     n = A.shape[0]
-    i = xp.arange(n, device=_xp.device(A))
-    blk = i // block
-    forbidden = (i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None])
-    bad = float(xp.max(xp.abs(xp.where(forbidden, A, xp.zeros_like(A)))))
+    dev = _xp.device(A)
+    zero = xp.zeros((1, 1), dtype=A.dtype, device=dev)
+    parts = []
+    # strips of whole diagonal blocks (row_strips): right of a strip everything is
+    # forbidden (max and -min, no temporary); its diagonal square takes the mask
+    for r0, r1 in row_strips(xp, n, n, block):
+        if r1 < n:
+            R = A[r0:r1, r1:]
+            parts += [xp.max(R), -xp.min(R)]
+        i = xp.arange(r1 - r0, device=dev)
+        blk = i // block
+        forbidden = (i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None])
+        parts.append(xp.max(xp.abs(xp.where(forbidden, A[r0:r1, r0:r1], zero))))
+    bad = float(xp.max(xp.stack(parts)))
     if bad != 0.0:
         raise ValueError(
             f"{name} must be strictly block-lower-triangular (A = L - I from prepare_factor "
