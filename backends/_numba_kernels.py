@@ -502,12 +502,11 @@ def solve_blocks(tasks, t0, t1, W, FE, AO, AI, two_sided, Wq, codes, T, useT, tx
                            r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
 
 
-#: Rows per task of the wavefront's gathers (``GATHER_ROWS``) and scatters
-#: (``SCATTER_ROWS``): each block's product is cut into row pieces of this height, run in a
-#: ``prange`` on single-threaded BLAS, so that the whole step runs on numba's threads and
-#: BLAS's own pool stays idle. Constants, not functions of the thread count, so that every
-#: product is summed in the same order on any number of threads. Measured: docs/engines.md.
-GATHER_ROWS = 32
+#: Rows per task of the wavefront's scatters: each block's product is cut into row pieces of
+#: ``Y`` of this height, run in a ``prange`` on single-threaded BLAS, so that the whole step
+#: runs on numba's threads and BLAS's own pool stays idle. A constant, not a function of the
+#: thread count, so that every product is summed in the same order on any number of threads
+#: (the gathers' pieces: ``numba_cpu.gather_table``). Measured: docs/engines.md.
 SCATTER_ROWS = 128
 
 
@@ -533,35 +532,35 @@ def _piece_starts(counts):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def gather_two_sided(tasks, t0, t1, blas1, FE, Y, AI):
-    """Offsets of the blocks ``tasks[t0:t1]`` from every block solved before:
-    ``F_AB = (Y G_I)_AB = Y[A, cB] + Y[A, c0:] A_I[c0:, cB]`` (``Y = G_O^T Ẽ``), in row
-    pieces of ``GATHER_ROWS`` (prange, single-threaded BLAS)."""
-    n = FE.shape[1]
-    counts = np.empty(t1 - t0, np.int64)
-    for k in range(t1 - t0):
-        counts[k] = (tasks[t0 + k, 1] - tasks[t0 + k, 0] + GATHER_ROWS - 1) // GATHER_ROWS
-    starts = _piece_starts(counts)
-    for q in prange(starts[t1 - t0]):
-        k = np.searchsorted(starts, q, side="right") - 1
-        r0 = tasks[t0 + k, 0] + (q - starts[k]) * GATHER_ROWS
-        r1 = min(r0 + GATHER_ROWS, tasks[t0 + k, 1])
-        c0, c1 = tasks[t0 + k, 2], tasks[t0 + k, 3]
-        copy_into(FE, r0 * n + c0, n, Y, r0 * n + c0, n, r1 - r0, c1 - c0)
-        _piece_gemm(blas1, FE, r0 * n + c0, n, Y, r0 * n + c0, n, False, AI, c0 * n + c0, n,
-                    False, r1 - r0, c1 - c0, n - c0, 1.0)
+def gather_products(gp, p0, p1, gt, blas1, SRC, AI, part):
+    """The partial products of one step's gathers, ``gp[p0:p1]`` (``numba_cpu.gather_table``:
+    target, ``k0``, ``k1``, offset in ``part``), in parallel (prange), each one
+    single-threaded BLAS call: ``part[piece] = SRC[r0:r1, k0:k1] A_I[k0:k1, c0:c1]`` for the
+    rows ``[r0, r1, c0, c1]`` of its target ``gt``."""
+    n = AI.shape[0]
+    for p in prange(p1 - p0):
+        t, k0, k1, off = gp[p0 + p, 0], gp[p0 + p, 1], gp[p0 + p, 2], gp[p0 + p, 3]
+        r0, r1, c0, c1 = gt[t, 0], gt[t, 1], gt[t, 2], gt[t, 3]
+        _piece_gemm(blas1, part, off, c1 - c0, SRC, r0 * n + k0, n, False, AI, k0 * n + c0, n,
+                    False, r1 - r0, c1 - c0, k1 - k0, 0.0)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def gather_one_sided(c0, c1, blas1, FE, AI):
-    """Offsets of the coarse column ``[c0, c1)`` from the errors to its right:
-    ``F[:, cB] = E[:, c1:] A_I[c1:, cB]``, in row pieces (prange, single-threaded BLAS)."""
-    m, n = FE.shape
-    for q in prange((m + GATHER_ROWS - 1) // GATHER_ROWS):
-        r0 = q * GATHER_ROWS
-        r1 = min(r0 + GATHER_ROWS, m)
-        _piece_gemm(blas1, FE, r0 * n + c0, n, FE, r0 * n + c1, n, False, AI, c1 * n + c0, n,
-                    False, r1 - r0, c1 - c0, n - c1, 0.0)
+def gather_sums(gt, t0, t1, gp, FE, Y, addY, part):
+    """The offsets of one step's gather targets ``gt[t0:t1]`` (``[r0, r1, c0, c1, q0, q1]``):
+    ``FE[r0:r1, c0:c1] = Y[r0:r1, c0:c1] + part[q0] + ... + part[q1 - 1]`` (without ``Y``
+    unless ``addY``), summed in this order on any number of threads (prange over targets)."""
+    for k in prange(t1 - t0):
+        t = t0 + k
+        r0, r1, c0, c1 = gt[t, 0], gt[t, 1], gt[t, 2], gt[t, 3]
+        w = c1 - c0
+        for i in range(r1 - r0):
+            for j in range(w):
+                FE[r0 + i, c0 + j] = Y[r0 + i, c0 + j] if addY else 0.0
+            for q in range(gt[t, 4], gt[t, 5]):
+                off = gp[q, 3] + i * w
+                for j in range(w):
+                    FE[r0 + i, c0 + j] += part[off + j]
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -590,23 +589,24 @@ def scatter_two_sided(tasks, t0, t1, blas1, FE, Y, AO):
 
 
 @njit(cache=True, nogil=True)
-def run_wavefront(tasks, steps, blas1, W, FE, Y, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
-                  s_tab, z_tab, gs, lo, hi, sym):
+def run_wavefront(tasks, steps, gt, gsteps, gp, psteps, part, blas1, W, FE, Y, AO, AI,
+                  two_sided, Wq, codes, T, useT, tx, ty, s_tab, z_tab, gs, lo, hi, sym):
     """Execute the two-level wavefront (``numba_cpu.wavefront_table``): step ``s`` is the
-    blocks ``tasks[steps[s]:steps[s + 1]]``. Per step three parallel regions on numba's
-    threads: gather the offsets, solve the blocks, scatter their errors (the products in
-    row pieces on single-threaded BLAS; ``blas1``: BLAS is set to one thread). ``FE`` (zero
-    on entry) holds the offsets, then the errors; two-sided ``Y`` (zero on entry) is the
-    accumulator ``G_O^T Ẽ``. One-sided, a step is a column of blocks and gathers
-    ``E[:, c1:] A_I[c1:, cB]`` directly from the errors to its right."""
+    blocks ``tasks[steps[s]:steps[s + 1]]``. Per step, parallel regions on numba's threads:
+    gather the offsets (the partial products ``gp[psteps[s]:psteps[s + 1]]`` into ``part``,
+    then their sums into the targets ``gt[gsteps[s]:gsteps[s + 1]]``:
+    ``numba_cpu.gather_table``), solve the blocks, scatter their errors (row pieces of
+    ``Y``). Every product is single-threaded BLAS (``blas1``: BLAS is set to one thread).
+    ``FE`` (zero on entry) holds the offsets, then the errors; two-sided ``Y`` (zero on
+    entry) is the accumulator ``G_O^T Ẽ``, and the gathers read ``Y``; one-sided they read
+    the errors to the right in ``FE``."""
     ns = steps.shape[0] - 1
+    SRC = Y if two_sided else FE
     for s in range(ns):
         t0, t1 = steps[s], steps[s + 1]
-        if s > 0:
-            if two_sided:
-                gather_two_sided(tasks, t0, t1, blas1, FE, Y, AI)
-            else:
-                gather_one_sided(tasks[t0, 2], tasks[t0, 3], blas1, FE, AI)
+        if gsteps[s + 1] > gsteps[s]:
+            gather_products(gp, psteps[s], psteps[s + 1], gt, blas1, SRC, AI, part)
+            gather_sums(gt, gsteps[s], gsteps[s + 1], gp, FE, Y, two_sided, part)
         solve_blocks(tasks, t0, t1, W, FE, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
                      s_tab, z_tab, gs, lo, hi, sym)
         if two_sided and s < ns - 1:

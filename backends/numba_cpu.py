@@ -42,7 +42,7 @@ from contextlib import contextmanager
 import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "op_table",
-           "wavefront_table", "stack_threads", "threading_layer", "warm_up", "PANEL",
+           "wavefront_table", "gather_table", "stack_threads", "threading_layer", "warm_up", "PANEL",
            "BASE_ELEMENTS", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_ONE_SIDED_MIN_THREADS",
            "WAVEFRONT_MIN_WORK", "STACK_THREADS_MIN_WORK"]
 
@@ -198,12 +198,77 @@ def wavefront_table(rows: list, cols: list, base: int, two_sided: bool):
     return tasks, steps
 
 
+#: The wavefront's gathers are cut into pieces of at most ``GATHER_ROWS`` rows of a block
+#: (one-sided: of the whole coarse column) and ``GATHER_K`` columns of the inner dimension,
+#: each a partial product on one thread, summed in a fixed order afterwards
+#: (``gather_table``): large pieces for BLAS, enough of them for many threads, the same sums
+#: on any number of threads. Measured: docs/engines.md, "Many cores".
+GATHER_ROWS = 128
+GATHER_K = 512
+#: A step whose gathers make fewer pieces than ``GATHER_MIN_PIECES`` (the narrow steps, small
+#: layers) halves the targets' height, down to ``GATHER_MIN_ROWS``: a property of the
+#: problem, not of the thread count.
+GATHER_MIN_PIECES = 32
+GATHER_MIN_ROWS = 32
+
+
+def gather_table(tasks, steps, m: int, n: int, two_sided: bool):
+    """The gathers of ``run_wavefront`` as tables, step after step.
+
+    Step ``s`` gathers the offsets of its blocks from every block solved before:
+    two-sided ``F_AB = Y[A, cB] + Y[A, c0:] A_I[c0:, cB]`` per block (the accumulator
+    ``Y = G_O^T Ẽ``; none at step 0), one-sided ``F[:, cB] = E[:, c1:] A_I[c1:, cB]`` for the
+    step's coarse column. Each is cut into *targets* of at most ``GATHER_ROWS`` rows (fewer
+    while the step has under ``GATHER_MIN_PIECES`` pieces, down to ``GATHER_MIN_ROWS``),
+    each target's inner dimension into chunks of ``GATHER_K``: the *pieces*.
+
+    Returns ``gt`` (targets: ``[r0, r1, c0, c1, q0, q1]``, their pieces ``gp[q0:q1]``),
+    ``gsteps`` (step ``s``'s targets are ``gt[gsteps[s]:gsteps[s + 1]]``), ``gp`` (pieces:
+    ``[target, k0, k1, offset]``, the offset of its partial product in the scratch
+    buffer, from the step's start), ``psteps`` (the same for pieces) and the scratch size
+    in elements (the largest step's).
+    """
+    gt, gp, gsteps, psteps, size = [], [], [0], [0], 0
+    for s in range(len(steps) - 1):
+        blocks = tasks[steps[s]:steps[s + 1]]
+        if two_sided:
+            spans = [] if s == 0 else [(r0, r1, c0, c1, c0) for r0, r1, c0, c1 in blocks]
+        else:
+            c0, c1 = int(blocks[0, 2]), int(blocks[0, 3])
+            spans = [(0, m, c0, c1, c1)] if c1 < n else []
+        h = GATHER_ROWS
+        while h > GATHER_MIN_ROWS and _piece_count(spans, h, n) < GATHER_MIN_PIECES:
+            h //= 2
+        off = 0
+        for r0, r1, c0, c1, k0 in spans:
+            for a in range(int(r0), int(r1), h):
+                b = min(a + h, int(r1))
+                q0 = len(gp)
+                for k in range(int(k0), n, GATHER_K):
+                    gp.append((len(gt), k, min(k + GATHER_K, n), off))
+                    off += (b - a) * int(c1 - c0)
+                gt.append((a, b, int(c0), int(c1), q0, len(gp)))
+        size = max(size, off)
+        gsteps.append(len(gt))
+        psteps.append(len(gp))
+    i64 = functools.partial(np.array, dtype=np.int64)
+    return (i64(gt).reshape(-1, 6), i64(gsteps), i64(gp).reshape(-1, 4), i64(psteps),
+            max(size, 1))
+
+
+def _piece_count(spans, h: int, n: int) -> int:
+    """Pieces of the gathers ``spans`` with targets ``h`` rows high (``gather_table``)."""
+    return sum(-(-(int(r1) - int(r0)) // h) * -(-(n - int(k0)) // GATHER_K)
+               for r0, r1, _, _, k0 in spans)
+
+
 @functools.lru_cache(maxsize=32)
 def _cached_wavefront(m: int, n: int, tx: int, ty: int, base: int, two: bool):
     from bakron.solvers.schedule import tile_edges
 
     rows, cols = tile_edges(m, tx), tile_edges(n, ty)
-    return wavefront_table(rows, cols, base, two)
+    tasks, steps = wavefront_table(rows, cols, base, two)
+    return (tasks, steps) + gather_table(tasks, steps, m, n, two)
 
 
 def run(p, method: str, base: int, variant: str) -> EngineResult:
@@ -236,12 +301,15 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
                   io.dummy, False, 0, p.m, 0, p.n, p.tx, p.ty, *io.grid())
         return io.result()
     if method == "wavefront":
-        tasks, steps = _cached_wavefront(p.m, p.n, p.tx, p.ty, int(base), two)
+        tasks, steps, gt, gsteps, gp, psteps, size = _cached_wavefront(
+            p.m, p.n, p.tx, p.ty, int(base), two)
         FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets of unsolved blocks, then errors
         Y = np.zeros((p.m, p.n), dtype=io.dtype) if two else io.dummy  # G_O^T Ẽ
+        part = np.empty(size, dtype=io.dtype)      # the gathers' partial products
         with _blas_on_one_thread() as blas1:
-            K.run_wavefront(tasks, steps, blas1, io.W, FE, Y, AO, io.AI, two, io.Wq,
-                            io.codes, io.T, io.record_targets, p.tx, p.ty, *io.grid())
+            K.run_wavefront(tasks, steps, gt, gsteps, gp, psteps, part, blas1, io.W, FE, Y,
+                            AO, io.AI, two, io.Wq, io.codes, io.T, io.record_targets, p.tx,
+                            p.ty, *io.grid())
         out = io.result()
         out.info.update(coarse_steps=int(steps.shape[0] - 1), blocks=int(tasks.shape[0]),
                         numba_threads=numba_threads(), threading_layer=threading_layer())

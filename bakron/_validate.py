@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -86,10 +89,14 @@ def check_matrix(xp, x, name: str, *, square: bool = False):
 
 
 #: Elements per piece of the numpy checks that read a whole matrix (``row_strips``): their
-#: temporaries stay a few MiB instead of ``n²`` fresh pages. At 4096² the whole-matrix
-#: checks took as long as half a 16-thread solve; docs/engines.md, "Many cores". Other
-#: namespaces (a GPU's memory pool) take the whole matrix: fewer launches.
-STRIP_ELEMENTS = 1 << 20
+#: temporaries stay small instead of ``n²`` fresh pages, and the pieces run on threads
+#: (``map_strips``). Measured on the 16-core host: with whole-matrix masks a 2048² / 4096²
+#: solve spent 53 / 356 ms in its checks; docs/engines.md, "Many cores". Other namespaces
+#: (a GPU's memory pool) take the whole matrix: fewer launches.
+STRIP_ELEMENTS = 1 << 18
+
+_STRIP_POOL: list = []  # the thread pool of map_strips, made on first use
+_STRIP_LOCK = threading.Lock()
 
 
 def row_strips(xp, rows: int, row_size: int, align: int = 1) -> list[tuple[int, int]]:
@@ -105,15 +112,29 @@ def row_strips(xp, rows: int, row_size: int, align: int = 1) -> list[tuple[int, 
     return [(r0, min(r0 + h, rows)) for r0 in range(0, rows, h)]
 
 
+def map_strips(fn, strips) -> list:
+    """``[fn(r0, r1) for r0, r1 in strips]``; several strips run on a thread pool with one
+    thread per usable core (numpy's reductions release the GIL). ``fn`` only reads."""
+    if len(strips) <= 1:
+        return [fn(r0, r1) for r0, r1 in strips]
+    with _STRIP_LOCK:
+        if not _STRIP_POOL:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+                (os.cpu_count() or 1)
+            _STRIP_POOL.append(ThreadPoolExecutor(max(1, cores), "bakron-check"))
+    return list(_STRIP_POOL[0].map(lambda s: fn(*s), strips))
+
+
 def all_finite(xp, x) -> bool:
-    """No NaN or Inf in ``x``: strips along the first axis (``row_strips``), one
-    synchronisation."""
+    """No NaN or Inf in ``x``: strips along the first axis (``row_strips``, ``map_strips``),
+    one synchronisation."""
     if x.ndim == 0 or x.shape[0] == 0:
         return bool(xp.all(xp.isfinite(x)))
     strips = row_strips(xp, x.shape[0], math.prod(x.shape[1:]))
     if len(strips) == 1:
         return bool(xp.all(xp.isfinite(x)))
-    return bool(xp.all(xp.stack([xp.all(xp.isfinite(x[r0:r1, ...])) for r0, r1 in strips])))
+    return bool(xp.all(xp.stack(map_strips(
+        lambda r0, r1: xp.all(xp.isfinite(x[r0:r1, ...])), strips))))
 
 
 def check_finite(xp, x, name: str):
@@ -213,14 +234,14 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
     dev = _device(A)
     # per row: any non-zero, the first non-zero column (n where the row is zero); per
     # column: any non-zero -- in row strips (row_strips), no n x n temporaries
-    row_any, first, col_any = [], [], None
-    for r0, r1 in row_strips(xp, n, n):
+    def scan(r0, r1):
         nz = A[r0:r1, :] != 0
-        row_any.append(xp.any(nz, axis=1))
-        first.append(xp.astype(xp.argmax(xp.astype(nz, xp.int8), axis=1), xp.int64))
-        col_any = xp.any(nz, axis=0) if col_any is None else col_any | xp.any(nz, axis=0)
+        return (xp.any(nz, axis=1), xp.astype(xp.argmax(xp.astype(nz, xp.int8), axis=1),
+                                              xp.int64), xp.any(nz, axis=0))
+
+    row_any, first, col_any = zip(*map_strips(scan, row_strips(xp, n, n)))
     row_any = xp.concat(row_any)
-    live = row_any | col_any  # a dead channel has a zero row and column
+    live = row_any | xp.any(xp.stack(col_any), axis=0)  # a dead channel: zero row and column
     first = xp.where(row_any, xp.concat(first), xp.full((n,), n, dtype=xp.int64, device=dev))
     # the tiles just left of the diagonal, gathered as (n - block, block): row r, column
     # (r // block - 1) * block + j -- O(n * block) work, no n x n integer temporaries

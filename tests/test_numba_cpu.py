@@ -404,37 +404,89 @@ def test_wavefront_is_the_same_on_any_number_of_threads():
             np.testing.assert_array_equal(o.codes, outs[0].codes)
 
 
-def test_wavefront_pieces_split_gathers_and_scatters_exactly(monkeypatch):
-    """Blocks taller than ``GATHER_ROWS`` and matrices taller than ``SCATTER_ROWS``: the
-    gathers and scatters run in several row pieces (the identity of a scatter inside one of
-    them); Ŵ and codes equal the recursion's in float64, targets up to order, with BLAS set
-    to one thread (one call per piece) and without (pieces split along k), on 1 and all
-    numba threads; the BLAS thread count is back afterwards."""
+@pytest.mark.parametrize("gather", [None, (20, 50)])
+def test_wavefront_pieces_split_gathers_and_scatters_exactly(monkeypatch, gather):
+    """Matrices taller than ``SCATTER_ROWS``, and gathers cut into several targets per block
+    (``GATHER_ROWS``) and several partial products per target (``GATHER_K``), summed
+    afterwards: the scatters run in several row pieces (the identity of a scatter inside
+    one of them); Ŵ and codes equal the recursion's in float64, targets up to order, with
+    BLAS set to one thread (one call per piece) and without (pieces split along k), on 1
+    and all numba threads; the BLAS thread count is back afterwards."""
     import numba
 
     K = nc._kernels()
+    if gather is not None:
+        monkeypatch.setattr(nc, "GATHER_ROWS", gather[0])
+        monkeypatch.setattr(nc, "GATHER_K", gather[1])
+    nc._cached_wavefront.cache_clear()
     tile, base = (16, 8), 3
-    assert base * tile[0] > K.GATHER_ROWS
-    for two_sided in (True, False):
-        W, f_in, f_out = problem(11, 300, 264, *tile, two_sided=two_sided)
-        assert W.shape[0] > 2 * K.SCATTER_ROWS
-        q = bakron.UniformQuantizer.fit(W, 3)
-        AO = None if f_out is None else f_out.A
-        rec = bakron.solve(W, AO, f_in.A, q, tile=tile, method="recursive", engine="numba",
-                           return_targets=True)
-        before = numba.get_num_threads()
-        for pinned in (K.BLAS_THREADS, None):
-            monkeypatch.setattr(K, "BLAS_THREADS", pinned)
-            for t in sorted({1, numba.config.NUMBA_NUM_THREADS}):
-                numba.set_num_threads(t)
-                try:
-                    r = bakron.solve(W, AO, f_in.A, q, tile=tile, method="wavefront",
-                                     base=base, engine="numba", return_targets=True)
-                finally:
-                    numba.set_num_threads(before)
-                np.testing.assert_array_equal(r.values, rec.values)
-                np.testing.assert_array_equal(r.codes, rec.codes)
-                np.testing.assert_allclose(r.targets, rec.targets, rtol=1e-10, atol=1e-10)
+    try:
+        for two_sided in (True, False):
+            W, f_in, f_out = problem(11, 300, 264, *tile, two_sided=two_sided)
+            assert W.shape[0] > 2 * K.SCATTER_ROWS
+            tasks, steps = nc.wavefront_table(list(range(0, 301, 16)) + [300],
+                                              list(range(0, 265, 8)), base, two_sided)
+            gt, _, gp, _, _ = nc.gather_table(tasks, steps, 300, 264, two_sided)
+            if gather is not None:  # several targets per block and pieces per target
+                assert (gt[:, 5] - gt[:, 4]).max() > 1
+                assert (gt[:, 1] - gt[:, 0]).min() < base * tile[0]
+            q = bakron.UniformQuantizer.fit(W, 3)
+            AO = None if f_out is None else f_out.A
+            rec = bakron.solve(W, AO, f_in.A, q, tile=tile, method="recursive",
+                               engine="numba", return_targets=True)
+            before = numba.get_num_threads()
+            for pinned in (K.BLAS_THREADS, None):
+                monkeypatch.setattr(K, "BLAS_THREADS", pinned)
+                for t in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+                    numba.set_num_threads(t)
+                    try:
+                        r = bakron.solve(W, AO, f_in.A, q, tile=tile, method="wavefront",
+                                         base=base, engine="numba", return_targets=True)
+                    finally:
+                        numba.set_num_threads(before)
+                    np.testing.assert_array_equal(r.values, rec.values)
+                    np.testing.assert_array_equal(r.codes, rec.codes)
+                    np.testing.assert_allclose(r.targets, rec.targets, rtol=1e-10,
+                                               atol=1e-10)
+    finally:
+        nc._cached_wavefront.cache_clear()
+
+
+def test_gather_table_covers_every_product_once():
+    """Every gather of the wavefront, as targets and pieces: two-sided each block after the
+    first step, its rows once and its inner dimension ``[c0, n)`` once; one-sided each
+    coarse column but the last, all rows, ``[c1, n)``; pieces of a step do not overlap in the
+    scratch buffer, which holds the largest step; a step with few pieces has thin targets."""
+    from bakron.solvers.schedule import tile_edges
+
+    m, n = 70, 45
+    rows, cols = tile_edges(m, 8), tile_edges(n, 4)
+    for two in (True, False):
+        tasks, steps = nc.wavefront_table(rows, cols, 3, two)
+        gt, gsteps, gp, psteps, size = nc.gather_table(tasks, steps, m, n, two)
+        assert len(gsteps) == len(psteps) == len(steps)
+        for s in range(len(steps) - 1):
+            blocks = tasks[steps[s]:steps[s + 1]]
+            cover = np.zeros((m, n, n), int)  # (row, output column, inner index)
+            used = np.zeros(size, int)
+            for r0, r1, c0, c1, q0, q1 in gt[gsteps[s]:gsteps[s + 1]]:
+                assert r1 - r0 <= nc.GATHER_ROWS
+                for t, k0, k1, off in gp[q0:q1]:
+                    assert k1 - k0 <= nc.GATHER_K and psteps[s] <= q0 and q1 <= psteps[s + 1]
+                    cover[r0:r1, c0:c1, k0:k1] += 1
+                    used[off:off + (r1 - r0) * (c1 - c0)] += 1
+            assert used.max(initial=0) <= 1
+            step = gt[gsteps[s]:gsteps[s + 1]]
+            if 0 < psteps[s + 1] - psteps[s] < nc.GATHER_MIN_PIECES:  # few pieces: thin targets
+                assert (step[:, 1] - step[:, 0]).max() <= nc.GATHER_MIN_ROWS
+            want = np.zeros_like(cover)
+            if two and s > 0:
+                for r0, r1, c0, c1 in blocks:
+                    want[r0:r1, c0:c1, c0:] = 1
+            elif not two:
+                c0, c1 = blocks[0, 2], blocks[0, 3]
+                want[:, c0:c1, c1:] = 1
+            np.testing.assert_array_equal(cover, want)
 
 
 def test_blas_on_one_thread_counts_in_and_out():
@@ -499,6 +551,21 @@ def test_wavefront_table_is_the_schedule():
             for r0, r1, c0, c1 in got:
                 cover[r0:r1, c0:c1] += 1
         assert (cover == 1).all()
+
+
+def test_gather_targets_are_thin_only_where_pieces_are_few():
+    """Large layers gather whole 128-row blocks (``GATHER_ROWS``) in their wide steps; a
+    512² layer (at most 4 blocks and 4 pieces a step) cuts them to ``GATHER_MIN_ROWS``."""
+    from bakron.solvers.schedule import tile_edges
+
+    for size, thin_only in ((512, True), (4096, False)):
+        e = tile_edges(size, 16)
+        tasks, steps = nc.wavefront_table(e, e, 8, True)
+        gt, gsteps, gp, psteps, _ = nc.gather_table(tasks, steps, size, size, True)
+        heights = gt[:, 1] - gt[:, 0]
+        assert (heights.max() <= nc.GATHER_MIN_ROWS) == thin_only
+        wide = int(np.argmax(np.diff(psteps)))  # the step with most pieces
+        assert np.diff(psteps)[wide] >= (1 if thin_only else nc.GATHER_MIN_PIECES)
 
 
 def test_auto_rule_takes_the_wavefront_with_threads_and_work(monkeypatch):

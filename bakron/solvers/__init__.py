@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _xp
-from .._validate import (check_factor_block, check_factor_shape, check_finite, row_strips,
+from .._validate import (check_factor_block, check_factor_shape, check_finite,
                          check_int, check_matrix, check_quantizer, check_real_dtype,
-                         check_result_finite, check_tile, factor_array, native)
+                         check_result_finite, check_tile, factor_array, map_strips, native,
+                         row_strips)
 from . import engines
 from ._problem import Problem
 from .engines import Capabilities, Engine, EngineResult
@@ -215,18 +216,20 @@ def _check_strictly_lower(xp, A, block: int, name: str) -> None:
     n = A.shape[0]
     dev = _xp.device(A)
     zero = xp.zeros((1, 1), dtype=A.dtype, device=dev)
-    parts = []
-    # strips of whole diagonal blocks (row_strips): right of a strip everything is
-    # forbidden (max and -min, no temporary); its diagonal square takes the mask
-    for r0, r1 in row_strips(xp, n, n, block):
-        if r1 < n:
-            R = A[r0:r1, r1:]
-            parts += [xp.max(R), -xp.min(R)]
+
+    def strip(r0, r1):
+        # a strip of whole diagonal blocks (row_strips): right of it everything is forbidden
+        # (max and -min, no temporary); its diagonal square takes the mask
         i = xp.arange(r1 - r0, device=dev)
         blk = i // block
         forbidden = (i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None])
-        parts.append(xp.max(xp.abs(xp.where(forbidden, A[r0:r1, r0:r1], zero))))
-    bad = float(xp.max(xp.stack(parts)))
+        bad = xp.max(xp.abs(xp.where(forbidden, A[r0:r1, r0:r1], zero)))
+        if r1 < n:
+            R = A[r0:r1, r1:]
+            bad = xp.maximum(bad, xp.maximum(xp.max(R), -xp.min(R)))
+        return bad
+
+    bad = float(xp.max(xp.stack(map_strips(strip, row_strips(xp, n, n, block)))))
     if bad != 0.0:
         raise ValueError(
             f"{name} must be strictly block-lower-triangular (A = L - I from prepare_factor "
