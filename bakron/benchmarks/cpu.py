@@ -117,10 +117,13 @@ def _machine() -> str:
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),)
     blas_threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
+    # how long OpenBLAS's idle threads spin before they sleep: they take cores from numba's
+    # threads after every threaded BLAS call (docs/engines.md, "Many cores")
+    timeout = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "default")
     return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, numpy "
             f"{np.__version__}, numba {numba.__version__} ({numba.get_num_threads()} threads), "
-            f"BLAS: {_numba_kernels.BLAS}, OPENBLAS_NUM_THREADS={blas_threads}; load average "
-            f"at start {load[0]:.1f}")
+            f"BLAS: {_numba_kernels.BLAS}, OPENBLAS_NUM_THREADS={blas_threads}, "
+            f"OPENBLAS_THREAD_TIMEOUT={timeout}; load average at start {load[0]:.1f}")
 
 
 def _fit_slope(sizes, times):
