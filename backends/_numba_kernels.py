@@ -614,6 +614,46 @@ def run_wavefront(tasks, steps, gt, gsteps, gp, psteps, part, blas1, W, FE, Y, A
 
 
 # ---------------------------------------------------------------------------------------
+# the input checks' statistics of a factor, in one parallel pass (numba_cpu.factor_scan)
+# ---------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True, parallel=True)
+def factor_scan(A, block, chunks):
+    """One pass over a square factor ``A``, rows in ``chunks`` parallel chunks: the largest
+    ``|A[r, c]|`` with ``c >= (r // block) * block`` (on or above the diagonal or inside a
+    diagonal block of ``block``), and of the part left of that: per row whether it has a
+    non-zero and its first non-zero column (``n`` if none), per column whether it has a
+    non-zero (each chunk marks its own row of ``col``, reduced afterwards)."""
+    n = A.shape[0]
+    bad = np.zeros(n, A.dtype)
+    first = np.full(n, n, np.int64)
+    col = np.zeros((chunks, n), np.uint8)
+    per = (n + chunks - 1) // chunks
+    for c in prange(chunks):
+        for r in range(c * per, min(n, (c + 1) * per)):
+            row = A[r]
+            s = (r // block) * block
+            b = abs(row[s])
+            for j in range(s + 1, n):  # branch-free loops: they vectorise
+                b = max(b, abs(row[j]))
+            bad[r] = b
+            f = n
+            for j in range(s):
+                if row[j] != 0:
+                    f = j
+                    break
+            first[r] = f
+            cr = col[c]
+            for j in range(f, s):
+                cr[j] |= np.uint8(row[j] != 0)
+    col_any = np.zeros(n, np.bool_)
+    for c in range(chunks):
+        for j in range(n):
+            if col[c, j]:
+                col_any[j] = True
+    return bad.max(), first < n, first, col_any
+
+
+# ---------------------------------------------------------------------------------------
 # anti-diagonal solvers (the baselines), whole matrix
 # ---------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, inline="always")

@@ -42,7 +42,7 @@ from contextlib import contextmanager
 import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "op_table",
-           "wavefront_table", "gather_table", "stack_threads", "threading_layer", "warm_up", "PANEL",
+           "wavefront_table", "gather_table", "factor_scan", "stack_threads", "threading_layer", "warm_up", "PANEL",
            "BASE_ELEMENTS", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_ONE_SIDED_MIN_THREADS",
            "WAVEFRONT_MIN_WORK", "STACK_THREADS_MIN_WORK"]
 
@@ -351,6 +351,24 @@ def _blas_on_one_thread():
             _pinned[0] -= 1
             if _pinned[0] == 0:
                 put(_pinned[1])
+
+
+def factor_scan(A, block: int):
+    """The statistics the input checks of :func:`bakron.solve` need of a numpy factor, in
+    one parallel compiled pass (``_numba_kernels.factor_scan``) instead of several numpy
+    passes: ``(forbidden, row_any, first, col_any)`` -- the largest ``|entry|`` on or above
+    the diagonal or inside a diagonal ``block``, and, over the rest of the matrix, per row
+    whether it has a non-zero and its first non-zero column (``n`` if none), per column
+    whether it has one. ``None`` for a dtype the kernels do not take; the array-API checks
+    compute the same then. Measured: docs/engines.md, "Many cores"."""
+    if A.dtype not in (np.float32, np.float64) or A.ndim != 2:
+        return None
+    A = np.ascontiguousarray(A)
+    n = A.shape[0]
+    chunks = max(1, min(n, 8 * numba_threads()))
+    with _parallel_guard():
+        bad, row_any, first, col_any = _kernels().factor_scan(A, int(block), chunks)
+    return float(bad), row_any, first, col_any
 
 
 def auto_base(p) -> int:

@@ -208,7 +208,8 @@ def check_bits_list(bits, name: str = "bits") -> tuple[int, ...]:
     return tuple(check_bits(b, name) for b in bits)
 
 
-def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None) -> None:
+def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None,
+                       scan=None) -> None:
     """Refuse a factor ``A = L - I`` made with a *coarser* block size than ``block``.
 
     ``recorded`` is the block size a :class:`bakron.Factor` carries: it must be ``block``
@@ -224,6 +225,10 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
     Hessian (attention heads) has no coupling further left. Only a Hessian whose neighbouring
     live blocks are exactly decoupled after elimination while distant ones are not could be
     refused wrongly.
+
+    ``scan``: the statistics of a strictly block-lower ``A`` from a compiled pass
+    (``bakron.solvers._factor_scan``: ``(_, row_any, first, col_any)``); without it they are
+    computed here in row strips.
     """
     n = A.shape[0]
     if recorded is not None and recorded != min(block, n):
@@ -234,15 +239,20 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
     dev = _device(A)
     # per row: any non-zero, the first non-zero column (n where the row is zero); per
     # column: any non-zero -- in row strips (row_strips), no n x n temporaries
-    def scan(r0, r1):
+    def scan_rows(r0, r1):
         nz = A[r0:r1, :] != 0
         return (xp.any(nz, axis=1), xp.astype(xp.argmax(xp.astype(nz, xp.int8), axis=1),
                                               xp.int64), xp.any(nz, axis=0))
 
-    row_any, first, col_any = zip(*map_strips(scan, row_strips(xp, n, n)))
-    row_any = xp.concat(row_any)
-    live = row_any | xp.any(xp.stack(col_any), axis=0)  # a dead channel: zero row and column
-    first = xp.where(row_any, xp.concat(first), xp.full((n,), n, dtype=xp.int64, device=dev))
+    if scan is not None:
+        _, row_any, first, col_any = scan
+        live = row_any | col_any
+    else:
+        row_any, first, col_any = zip(*map_strips(scan_rows, row_strips(xp, n, n)))
+        row_any = xp.concat(row_any)
+        live = row_any | xp.any(xp.stack(col_any), axis=0)  # dead channel: zero row and column
+        first = xp.where(row_any, xp.concat(first), xp.full((n,), n, dtype=xp.int64,
+                                                            device=dev))
     # the tiles just left of the diagonal, gathered as (n - block, block): row r, column
     # (r // block - 1) * block + j -- O(n * block) work, no n x n integer temporaries
     r = xp.arange(block, n, device=dev)

@@ -348,32 +348,36 @@ def test_progress_messages(layer):
 
 # -- the whole-matrix checks in row strips ----------------------------------------------------
 
+@pytest.mark.parametrize("engine", ["array_api", "auto"])
 @pytest.mark.parametrize("strip", [1 << 20, 96 * 16, 96 * 40, 7])
-def test_matrix_checks_in_row_strips_find_every_bad_entry(layer, monkeypatch, strip):
+def test_matrix_checks_in_row_strips_find_every_bad_entry(layer, monkeypatch, strip, engine):
     """The strictly-lower, coarse-block and finiteness checks read a matrix in strips of
     ``STRIP_ELEMENTS`` (one strip, whole 16-row blocks, strips of 32 rows, a strip per row
-    block): a forbidden entry right of a strip, in its diagonal square, inside a diagonal
-    block, or a NaN in the last strip is found in every case; a good factor passes."""
+    block), or, with the numba engine available (``auto``), the factor checks take one
+    compiled pass: a forbidden entry right of a strip, in its diagonal square, inside a
+    diagonal block, or a NaN in the last strip is found in every case; a good factor
+    passes."""
     import bakron._validate as v
 
     monkeypatch.setattr(v, "STRIP_ELEMENTS", strip)
     W, H, _ = layer
     q = bakron.UniformQuantizer.fit(W, 3)
     A = bakron.prepare_factor(H, 16).A
-    ref = bakron.solve(W, None, A, q, tile=16).values
+    ref = bakron.solve(W, None, A, q, tile=16, engine=engine).values
     for r, c in [(0, 95), (5, 40), (20, 30), (40, 41), (47, 40), (95, 95), (80, 90)]:
         B = A.copy()
         B[r, c] = -1e-3
         with pytest.raises(ValueError, match="A_in must be strictly block-lower-triangular"):
-            bakron.solve(W, None, B, q, tile=16)
+            bakron.solve(W, None, B, q, tile=16, engine=engine)
     B = A.copy()
     B[95, 3] = np.nan
     with pytest.raises(ValueError, match="A_in contains 1 NaN"):
-        bakron.solve(W, None, B, q, tile=16)
+        bakron.solve(W, None, B, q, tile=16, engine=engine)
     with pytest.raises(ValueError, match="A_in looks like a factor made with a block size "
                                          "coarser than the tile"):
-        bakron.solve(W, None, bakron.prepare_factor(H, 32).A, q, tile=16)
-    np.testing.assert_array_equal(bakron.solve(W, None, A, q, tile=16).values, ref)
+        bakron.solve(W, None, bakron.prepare_factor(H, 32).A, q, tile=16, engine=engine)
+    np.testing.assert_array_equal(bakron.solve(W, None, A, q, tile=16, engine=engine).values,
+                                  ref)
 
 
 def test_row_strips_cover_the_rows_in_aligned_pieces(monkeypatch):

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import bakron
 from _problems import make_quantizer, problem
@@ -675,3 +675,34 @@ def test_wavefront_with_targets_and_auto_engine_runs_on_numba():
                       base=2, return_targets=True)
     assert rs.engine == "numba" and rs.targets.shape == (2, 40, 36)
     np.testing.assert_array_equal(rs.values[0], ref.values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 70), block=st.integers(1, 20), seed=st.integers(0, 2**31),
+       dtype=st.sampled_from([np.float32, np.float64]), bad=st.integers(0, 3),
+       dead=st.integers(0, 3), strided=st.booleans())
+def test_factor_scan_equals_numpy(n, block, seed, dtype, bad, dead, strided):
+    """The compiled one-pass statistics of the factor checks equal numpy's on random
+    factor-shaped matrices with forbidden entries, zero (dead) rows and columns, both
+    dtypes and a non-contiguous view; the input is not modified."""
+    rng = np.random.default_rng(seed)
+    i = np.arange(n)
+    allowed = (i[None, :] < (i[:, None] // block) * block)
+    A = np.where(allowed, rng.standard_normal((n, n)), 0.0)
+    A[rng.random((n, n)) < 0.3] = 0.0
+    for r, c in rng.integers(0, n, (bad, 2)):
+        A[r, c] = rng.standard_normal()  # maybe forbidden, maybe not
+    for k in rng.integers(0, n, dead):
+        A[k, :] = 0.0
+        A[:, k] = 0.0
+    A = A.astype(dtype)
+    if strided:
+        A = np.asfortranarray(A)
+    before = A.copy()
+    got = nc.factor_scan(A, block)
+    np.testing.assert_array_equal(A, before)
+    assert got[0] == np.abs(np.where(allowed, 0, A)).max()
+    left = np.where(allowed, A, 0) != 0
+    np.testing.assert_array_equal(got[1], left.any(axis=1))
+    np.testing.assert_array_equal(got[2], np.where(left.any(axis=1), left.argmax(axis=1), n))
+    np.testing.assert_array_equal(got[3], left.any(axis=0))

@@ -162,11 +162,13 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     base = BASE_TILES if base is None else check_int(base, "base", minimum=1,
                                                       what="a positive number of tiles")
     check_quantizer(quantizer, m, n, dtype)
-    _check_strictly_lower(xp, A_in, ty, "A_in")
-    check_factor_block(xp, A_in, ty, "A_in", blk_in)
+    scan = _factor_scan(xp, engine, A_in, ty)
+    _check_strictly_lower(xp, A_in, ty, "A_in", scan)
+    check_factor_block(xp, A_in, ty, "A_in", blk_in, scan)
     if A_out is not None:
-        _check_strictly_lower(xp, A_out, tx, "A_out")
-        check_factor_block(xp, A_out, tx, "A_out", blk_out)
+        scan = _factor_scan(xp, engine, A_out, tx)
+        _check_strictly_lower(xp, A_out, tx, "A_out", scan)
+        check_factor_block(xp, A_out, tx, "A_out", blk_out, scan)
 
     p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
     if return_targets and engine == "auto" and method != "wavefront":
@@ -211,8 +213,26 @@ def execute(p: Problem, eng, method: str, base: int | None, variant: str,
                        seconds=seconds, tile=(p.tx, p.ty), targets=out.targets, info=info)
 
 
-def _check_strictly_lower(xp, A, block: int, name: str) -> None:
-    """``A`` must be ``L - I``: zero on and above the diagonal and inside the diagonal blocks."""
+def _factor_scan(xp, engine: str, A, block: int):
+    """The factor checks' statistics from the numba engine's one-pass kernel
+    (``numba_cpu.factor_scan``) for numpy factors when that engine may run the solve
+    (``engine`` ``auto`` or ``numba``) and is available; ``None`` otherwise, and the checks
+    compute them with array-API operations (several passes: at 2048² on 16 cores those took
+    about a third of a solve; docs/engines.md, "Many cores")."""
+    if engine not in ("auto", "numba") or not _xp.is_numpy(xp):
+        return None
+    eng = engines.load("numba")
+    scan = getattr(eng, "factor_scan", None)
+    return None if scan is None else scan(A, block)
+
+
+def _check_strictly_lower(xp, A, block: int, name: str, scan=None) -> None:
+    """``A`` must be ``L - I``: zero on and above the diagonal and inside the diagonal blocks.
+    ``scan``: ``_factor_scan``'s statistics of ``A``, whose first entry is the largest
+    ``|entry|`` there."""
+    if scan is not None:
+        _refuse_not_strictly_lower(scan[0], block, name)
+        return
     n = A.shape[0]
     dev = _xp.device(A)
     zero = xp.zeros((1, 1), dtype=A.dtype, device=dev)
@@ -230,6 +250,10 @@ def _check_strictly_lower(xp, A, block: int, name: str) -> None:
         return bad
 
     bad = float(xp.max(xp.stack(map_strips(strip, row_strips(xp, n, n, block)))))
+    _refuse_not_strictly_lower(bad, block, name)
+
+
+def _refuse_not_strictly_lower(bad: float, block: int, name: str) -> None:
     if bad != 0.0:
         raise ValueError(
             f"{name} must be strictly block-lower-triangular (A = L - I from prepare_factor "
