@@ -18,9 +18,11 @@ What runs compiled (``backends/_numba_kernels.py``):
 * ``method="wavefront"``: the two-level wavefront of ``bakron.solvers.schedule.two_level``
   (coarse blocks of ``base`` tiles): per coarse step a task table of its independent blocks,
   solved in a numba ``prange`` (each block by the base-block kernel on one thread), with the
-  feedback products between steps cut into row pieces, also in a ``prange``, each piece one
-  single-threaded BLAS call (BLAS is set to one thread meanwhile, ``_blas_on_one_thread``)
-  (docs/engines.md, "Many cores");
+  feedback products between steps cut into pieces (the gathers: partial products over
+  chunks of the inner dimension, ``gather_table``; the scatters: row pieces), also in
+  ``prange``s, each piece one single-threaded BLAS call (BLAS is set to one thread
+  meanwhile, ``_blas_on_one_thread``) (docs/engines.md, "Many cores");
+* ``factor_scan``: the statistics of ``bakron.solve``'s factor checks in one parallel pass;
 * ``method="antidiagonal"``: the accumulator variant (one step per anti-diagonal, the tiles
   of a diagonal one after the other) and the direct variant (two BLAS products per tile).
 
