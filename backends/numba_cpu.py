@@ -44,7 +44,8 @@ from contextlib import contextmanager
 import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "op_table",
-           "wavefront_table", "gather_table", "factor_scan", "stack_threads", "threading_layer", "warm_up", "PANEL",
+           "wavefront_table", "gather_table", "factor_scan", "stack_threads",
+           "threading_layer", "warm_up", "PANEL",
            "BASE_ELEMENTS", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_ONE_SIDED_MIN_THREADS",
            "WAVEFRONT_MIN_WORK", "STACK_THREADS_MIN_WORK"]
 

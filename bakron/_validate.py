@@ -95,7 +95,7 @@ def check_matrix(xp, x, name: str, *, square: bool = False):
 #: (a GPU's memory pool) take the whole matrix: fewer launches.
 STRIP_ELEMENTS = 1 << 18
 
-_STRIP_POOL: list = []  # the thread pool of map_strips, made on first use
+_STRIP_POOL: dict = {}  # the thread pool of map_strips by process id, made on first use
 _STRIP_LOCK = threading.Lock()
 
 
@@ -117,12 +117,15 @@ def map_strips(fn, strips) -> list:
     thread per usable core (numpy's reductions release the GIL). ``fn`` only reads."""
     if len(strips) <= 1:
         return [fn(r0, r1) for r0, r1 in strips]
+    pid = os.getpid()  # a forked child has none of its parent's pool threads: its own pool
     with _STRIP_LOCK:
-        if not _STRIP_POOL:
+        if pid not in _STRIP_POOL:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
                 (os.cpu_count() or 1)
-            _STRIP_POOL.append(ThreadPoolExecutor(max(1, cores), "bakron-check"))
-    return list(_STRIP_POOL[0].map(lambda s: fn(*s), strips))
+            _STRIP_POOL.clear()
+            _STRIP_POOL[pid] = ThreadPoolExecutor(max(1, cores), "bakron-check")
+        pool = _STRIP_POOL[pid]
+    return list(pool.map(lambda s: fn(*s), strips))
 
 
 def all_finite(xp, x) -> bool:

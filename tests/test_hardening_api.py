@@ -2,6 +2,7 @@
 
 One test per case of docs/reliability.md (API part); W float32 64 x 96, H SPD 96 x 96.
 """
+import time
 import types
 
 import numpy as np
@@ -392,3 +393,35 @@ def test_row_strips_cover_the_rows_in_aligned_pieces(monkeypatch):
         assert all((r1 - r0) * size <= max(1000, align * size) for r0, r1 in s)
     other = types.ModuleType("cupy")  # not numpy: the whole matrix
     assert v.row_strips(other, 96, 96, 16) == [(0, 96)]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_strip_checks_work_in_a_forked_child(monkeypatch):
+    """The strips' thread pool is per process: a child forked after the parent used it
+    checks its own matrices (a pool inherited without its threads would hang)."""
+    import os
+
+    import bakron._validate as v
+
+    monkeypatch.setattr(v, "STRIP_ELEMENTS", 64)
+    X = np.ones((40, 40))
+    assert v.all_finite(np, X)  # the parent makes its pool
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        ok = False
+        try:
+            X[39, 0] = np.nan
+            ok = v.all_finite(np, np.ones((40, 40))) and not v.all_finite(np, X)
+        finally:
+            os._exit(0 if ok else 3)
+    deadline = time.monotonic() + 60
+    while True:  # a hang is a failure, not a stuck test run
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's strip check did not finish in 60 s")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
