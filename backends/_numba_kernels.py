@@ -653,6 +653,23 @@ def factor_scan(A, block, chunks):
     return bad.max(), first < n, first, col_any
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def count_nonfinite(X, chunks):
+    """The number of NaN and Inf entries of the 2-D ``X``, rows in ``chunks`` parallel
+    chunks (branch-free inner loop)."""
+    n = X.shape[0]
+    per = (n + chunks - 1) // chunks
+    counts = np.zeros(chunks, np.int64)
+    for c in prange(chunks):
+        k = 0
+        for r in range(c * per, min(n, (c + 1) * per)):
+            row = X[r]
+            for j in range(row.shape[0]):
+                k += np.int64(not np.isfinite(row[j]))
+        counts[c] = k
+    return counts.sum()
+
+
 # ---------------------------------------------------------------------------------------
 # anti-diagonal solvers (the baselines), whole matrix
 # ---------------------------------------------------------------------------------------

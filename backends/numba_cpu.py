@@ -22,7 +22,8 @@ What runs compiled (``backends/_numba_kernels.py``):
   chunks of the inner dimension, ``gather_table``; the scatters: row pieces), also in
   ``prange``s, each piece one single-threaded BLAS call (BLAS is set to one thread
   meanwhile, ``_blas_on_one_thread``) (docs/engines.md, "Many cores");
-* ``factor_scan``: the statistics of ``bakron.solve``'s factor checks in one parallel pass;
+* ``factor_scan``, ``count_nonfinite``: the statistics of ``bakron.solve``'s input and result
+  checks in one parallel pass each;
 * ``method="antidiagonal"``: the accumulator variant (one step per anti-diagonal, the tiles
   of a diagonal one after the other) and the direct variant (two BLAS products per tile).
 
@@ -44,7 +45,8 @@ from contextlib import contextmanager
 import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "op_table",
-           "wavefront_table", "gather_table", "factor_scan", "stack_threads",
+           "wavefront_table", "gather_table", "factor_scan", "count_nonfinite",
+           "stack_threads",
            "threading_layer", "warm_up", "PANEL",
            "BASE_ELEMENTS", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_ONE_SIDED_MIN_THREADS",
            "WAVEFRONT_MIN_WORK", "STACK_THREADS_MIN_WORK"]
@@ -372,6 +374,18 @@ def factor_scan(A, block: int):
     with _parallel_guard():
         bad, row_any, first, col_any = _kernels().factor_scan(A, int(block), chunks)
     return float(bad), row_any, first, col_any
+
+
+def count_nonfinite(X):
+    """The number of NaN and Inf entries of a 2-D float32/float64 numpy array in one parallel
+    compiled pass (``_numba_kernels.count_nonfinite``), for the input and result checks of
+    :func:`bakron.solve`; ``None`` for other arrays (the array-API check counts then)."""
+    if X.dtype not in (np.float32, np.float64) or X.ndim != 2 or X.shape[0] == 0:
+        return None
+    X = np.ascontiguousarray(X)
+    chunks = max(1, min(X.shape[0], 8 * numba_threads()))
+    with _parallel_guard():
+        return int(_kernels().count_nonfinite(X, chunks))
 
 
 def auto_base(p) -> int:

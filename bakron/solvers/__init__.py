@@ -142,17 +142,19 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     W, A_out, A_in = native(xp, W), native(xp, A_out), native(xp, A_in)
     check_matrix(xp, W, "W")
     dtype = _xp.float_dtype(xp, W, "W")
-    check_finite(xp, W, "W")
+    fast = _compiled(xp, engine)  # the numba engine's one-pass checks, or None
+    count = getattr(fast, "count_nonfinite", None)
+    check_finite(xp, W, "W", count)
     m, n = W.shape
     check_matrix(xp, A_in, "A_in")
     check_factor_shape(A_in, n, "A_in", "A_out", m, "columns")
     check_real_dtype(xp, A_in, "A_in")
-    check_finite(xp, A_in, "A_in")
+    check_finite(xp, A_in, "A_in", count)
     if A_out is not None:
         check_matrix(xp, A_out, "A_out")
         check_factor_shape(A_out, m, "A_out", "A_in", n, "rows")
         check_real_dtype(xp, A_out, "A_out")
-        check_finite(xp, A_out, "A_out")
+        check_finite(xp, A_out, "A_out", count)
     tx, ty = check_tile(tile, m, n)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -162,11 +164,11 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     base = BASE_TILES if base is None else check_int(base, "base", minimum=1,
                                                       what="a positive number of tiles")
     check_quantizer(quantizer, m, n, dtype)
-    scan = _factor_scan(xp, engine, A_in, ty)
+    scan = _factor_scan(fast, A_in, ty)
     _check_strictly_lower(xp, A_in, ty, "A_in", scan)
     check_factor_block(xp, A_in, ty, "A_in", blk_in, scan)
     if A_out is not None:
-        scan = _factor_scan(xp, engine, A_out, tx)
+        scan = _factor_scan(fast, A_out, tx)
         _check_strictly_lower(xp, A_out, tx, "A_out", scan)
         check_factor_block(xp, A_out, tx, "A_out", blk_out, scan)
 
@@ -207,22 +209,28 @@ def execute(p: Problem, eng, method: str, base: int | None, variant: str,
     out = eng.run(p, method, base, variant, **kw)
     _xp.sync(xp)
     seconds = time.perf_counter() - t0
-    check_result_finite(xp, out.values, p.quantizer)
+    check_result_finite(xp, out.values, p.quantizer,
+                        getattr(_compiled(xp, eng.NAME), "count_nonfinite", None))
     info.update(out.info)
     return SolveResult(values=out.values, codes=out.codes, method=method, engine=eng.NAME,
                        seconds=seconds, tile=(p.tx, p.ty), targets=out.targets, info=info)
 
 
-def _factor_scan(xp, engine: str, A, block: int):
-    """The factor checks' statistics from the numba engine's one-pass kernel
-    (``numba_cpu.factor_scan``) for numpy factors when that engine may run the solve
-    (``engine`` ``auto`` or ``numba``) and is available; ``None`` otherwise, and the checks
-    compute them with array-API operations (several passes: at 2048² on 16 cores those took
-    about a third of a solve; docs/engines.md, "Many cores")."""
+def _compiled(xp, engine: str):
+    """The numba engine's module when it may run a solve of these arrays (numpy; ``engine``
+    ``auto`` or ``numba``) and is available, else ``None``: its one-pass parallel kernels
+    (``count_nonfinite``, ``factor_scan``) then give the input and result checks their
+    statistics, instead of several array-API passes (at 2048² on 16 cores those took about a
+    third of a solve; docs/engines.md, "Many cores"). The decisions and messages stay here."""
     if engine not in ("auto", "numba") or not _xp.is_numpy(xp):
         return None
-    eng = engines.load("numba")
-    scan = getattr(eng, "factor_scan", None)
+    return engines.load("numba")
+
+
+def _factor_scan(fast, A, block: int):
+    """``fast.factor_scan(A, block)`` (``numba_cpu.factor_scan``), or ``None`` without a
+    compiled engine (the checks compute the statistics with array-API operations)."""
+    scan = getattr(fast, "factor_scan", None)
     return None if scan is None else scan(A, block)
 
 
