@@ -633,7 +633,7 @@ def factor_scan(A, block, chunks):
             row = A[r]
             s = (r // block) * block
             b = abs(row[s])
-            for j in range(s + 1, n):  # branch-free loops: they vectorise
+            for j in range(s + 1, n):
                 b = max(b, abs(row[j]))
             bad[r] = b
             f = n
@@ -656,7 +656,7 @@ def factor_scan(A, block, chunks):
 @njit(cache=True, nogil=True, parallel=True)
 def count_nonfinite(X, chunks):
     """The number of NaN and Inf entries of the 2-D ``X``, rows in ``chunks`` parallel
-    chunks (branch-free inner loop)."""
+    chunks."""
     n = X.shape[0]
     per = (n + chunks - 1) // chunks
     counts = np.zeros(chunks, np.int64)

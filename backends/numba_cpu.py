@@ -46,8 +46,7 @@ import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "op_table",
            "wavefront_table", "gather_table", "factor_scan", "count_nonfinite",
-           "stack_threads",
-           "threading_layer", "warm_up", "PANEL",
+           "stack_threads", "threading_layer", "warm_up", "PANEL",
            "BASE_ELEMENTS", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_ONE_SIDED_MIN_THREADS",
            "WAVEFRONT_MIN_WORK", "STACK_THREADS_MIN_WORK"]
 
@@ -366,13 +365,10 @@ def factor_scan(A, block: int):
     whether it has a non-zero and its first non-zero column (``n`` if none), per column
     whether it has one. ``None`` for a dtype the kernels do not take; the array-API checks
     compute the same then. Measured: docs/engines.md, "Many cores"."""
-    if A.dtype not in (np.float32, np.float64) or A.ndim != 2:
+    out = _scan_rows("factor_scan", A, int(block))
+    if out is None:
         return None
-    A = np.ascontiguousarray(A)
-    n = A.shape[0]
-    chunks = max(1, min(n, 8 * numba_threads()))
-    with _parallel_guard():
-        bad, row_any, first, col_any = _kernels().factor_scan(A, int(block), chunks)
+    bad, row_any, first, col_any = out
     return float(bad), row_any, first, col_any
 
 
@@ -380,12 +376,20 @@ def count_nonfinite(X):
     """The number of NaN and Inf entries of a 2-D float32/float64 numpy array in one parallel
     compiled pass (``_numba_kernels.count_nonfinite``), for the input and result checks of
     :func:`bakron.solve`; ``None`` for other arrays (the array-API check counts then)."""
+    out = _scan_rows("count_nonfinite", X)
+    return None if out is None else int(out)
+
+
+def _scan_rows(kernel: str, X, *args):
+    """Run the one-pass check kernel ``kernel`` on the rows of a non-empty 2-D float32/64
+    ``X`` (C-contiguous, copied if not), its rows in ``8 x`` numba's threads chunks;
+    ``None`` for other arrays."""
     if X.dtype not in (np.float32, np.float64) or X.ndim != 2 or X.shape[0] == 0:
         return None
     X = np.ascontiguousarray(X)
     chunks = max(1, min(X.shape[0], 8 * numba_threads()))
     with _parallel_guard():
-        return int(_kernels().count_nonfinite(X, chunks))
+        return getattr(_kernels(), kernel)(X, *args, chunks)
 
 
 def auto_base(p) -> int:

@@ -209,8 +209,7 @@ def execute(p: Problem, eng, method: str, base: int | None, variant: str,
     out = eng.run(p, method, base, variant, **kw)
     _xp.sync(xp)
     seconds = time.perf_counter() - t0
-    check_result_finite(xp, out.values, p.quantizer,
-                        getattr(_compiled(xp, eng.NAME), "count_nonfinite", None))
+    check_result_finite(xp, out.values, p.quantizer, getattr(eng, "count_nonfinite", None))
     info.update(out.info)
     return SolveResult(values=out.values, codes=out.codes, method=method, engine=eng.NAME,
                        seconds=seconds, tile=(p.tx, p.ty), targets=out.targets, info=info)
