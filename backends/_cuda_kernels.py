@@ -10,12 +10,10 @@ fields ``DESC_*`` of ``_cuda_layout``: ``ra, rb, ca, cb`` tile ranges, ``f_off, 
 block's base offsets / local accumulator live, and where its item's arrays start, so that one
 launch can mix the items of a stack). The scalars of the launch (sizes, steps, flags, the
 quantizer's grid) come in one int64 launch descriptor ``prm`` (fields ``P_*``).
-Step ``g = 0, 1, ...`` handles local anti-diagonal ``Mb + Nb - 2 - g`` of every block
-(two-sided) or tile column ``Nb - 1 - g`` (one-sided); all the tiles of a step, over all
-blocks, are spread over the CTAs of the grid (one 16 x 16 tile per CTA at a time, one thread
-per element), and ``this_grid().sync()`` separates the steps. So a block's whole wavefront, a
-whole phase of independent blocks, and the whole anti-diagonal of every item of a stack, is
-one launch.
+Step ``g = 0, 1, ...`` rounds local anti-diagonal ``s = Mb + Nb - 2 - g`` of every block
+(two-sided) or tile column ``s = Nb - 1 - g`` (one-sided), and ``this_grid().sync()``
+separates the steps. So a block's whole wavefront, a whole phase of independent blocks, and
+the whole anti-diagonal of every item of a stack, is one launch.
 
 The target of tile (a, b) of a block with rows [R0, R1) and columns [C0, C1) (the rounding rule
 of docs/algorithm.md in the block-local accumulator form) is::
@@ -25,10 +23,22 @@ of docs/algorithm.md in the block-local accumulator form) is::
 
 where ``F`` is the feedback from outside the block (optional), ``Yg`` the global accumulator's
 identity term (two-level wavefront, optional), ``E`` the errors of tiles already solved and
-``Y = G_O[block]^T E[block]`` the block's local accumulator, built row by row: after rounding,
-``Y[rows a, cols b] = P + E_ab``. ``Y`` is stored where ``F`` is (``F`` of an element is read
-before its ``Y`` is written, and neither is needed after the block is solved), so a block needs
-no scratch beyond ``E``.
+``Y = G_O[block]^T E[block]`` the block's local accumulator: ``Y[rows a, cols b] = P + E_ab``.
+
+The step (docs/engines.md, "The GPU tile step"): the two sums are not formed when the tile is
+rounded but built up one tile at a time. Every tile of a block keeps two running sums, the
+pull ``P`` (stored in ``E`` until the tile is rounded: nobody reads a tile's errors before
+that) and ``F`` plus the target terms (stored where ``F`` is, in place). Step ``g`` has one
+*item* per tile that receives a contribution from the tiles rounded at step ``g - 1``, i.e.
+anti-diagonal ``s + 1``: the tile below it in its column adds ``A_O[k, rows a]^T E[k, cols b]``
+to its ``P``, the tile right of it in its row adds ``Y[rows a, l] A_I[l, cols b]`` to its
+other sum (at most one of each per tile and step, so no two items write the same sum); the
+items on anti-diagonal ``s`` then round, the others store their sums. Step 0 visits every
+tile to start its sums (from ``F``, or 0). A step's items are independent and spread over the
+CTAs of the grid (one tile per CTA at a time, one thread per element), so a step costs the
+latency of one tile product with an inner dimension of one tile; forming the sums when the
+tile is rounded would cost a chain of up to ``base`` such products instead. After
+rounding, a tile's ``Y`` is stored where its ``F`` was (the row contributions read it there).
 
 The rounding is the one of :meth:`bakron.UniformQuantizer.quantize`: ``round(t / s)`` half to
 even (``cvt.rni``), clip, ``s * c`` (symmetric) or ``s * (c - z)``, in the working dtype, so a
@@ -55,25 +65,70 @@ _CACHE: dict = {}
 
 
 @cuda.jit(device=True)
-def _step_tiles(Mb, Nb, g, two):
-    """The tiles of step ``g`` of the tile wavefront over an ``Mb x Nb`` block
-    (``bakron.solvers.schedule.tile_wavefront``): ``(count, alo, s)``. Two-sided: the
-    anti-diagonal ``s = Mb + Nb - 2 - g``, rows ``alo .. alo + count - 1``; one-sided: tile
-    column ``Nb - 1 - g``, all ``Mb`` row tiles (``count`` 0 once the block is done)."""
+def _step_shape(Mb, Nb, g, two):
+    """The work of step ``g`` on an ``Mb x Nb`` block (docs/engines.md, "The GPU tile step"):
+    ``(count, s, rows, a_lo, b_lo)``. Two-sided, step ``g`` rounds anti-diagonal
+    ``s = Mb + Nb - 2 - g``; its items are the tiles not yet rounded (``a + b <= s``) that
+    receive a contribution from anti-diagonal ``s + 1`` (rounded at step ``g - 1``): those of
+    rows ``a >= a_lo`` (a tile to their right) or of columns ``b >= b_lo`` (a tile below
+    them), over rows ``0 .. rows - 1``. Step 0 visits every tile (it starts the block's
+    accumulators). One-sided, step ``g`` rounds tile column ``s = Nb - 1 - g`` and its items
+    are the tiles of columns ``0 .. s``. ``count`` is 0 once the block is done."""
     if two:
         s = Mb + Nb - 2 - g
         if s < 0:
-            return 0, 0, s
-        alo = s - Nb + 1
-        if alo < 0:
-            alo = 0
-        ahi = s
-        if ahi > Mb - 1:
-            ahi = Mb - 1
-        return ahi - alo + 1, alo, s
-    if g < Nb:
-        return Mb, 0, 0
-    return 0, 0, 0
+            return 0, s, 0, 0, 0
+        a_lo = 0
+        b_lo = 0
+        if g > 0:
+            a_lo = s + 2 - Nb
+            if a_lo < 0:
+                a_lo = 0
+            b_lo = s + 2 - Mb
+            if b_lo < 0:
+                b_lo = 0
+        rows = s + 1
+        if rows > Mb:
+            rows = Mb
+        count = 0
+        for a in range(rows):
+            c = _row_count(Nb, s, a, a_lo, b_lo)
+            count += c
+        return count, s, rows, a_lo, b_lo
+    s = Nb - 1 - g
+    if s < 0:
+        return 0, s, 0, 0, 0
+    return Mb * (s + 1), s, Mb, 0, 0
+
+
+@cuda.jit(device=True)
+def _row_count(Nb, s, a, a_lo, b_lo):
+    """Items of row ``a`` in a two-sided step (``_step_shape``): columns ``b0 .. s - a``."""
+    hi = s - a
+    if hi > Nb - 1:
+        hi = Nb - 1
+    b0 = 0
+    if a < a_lo:
+        b0 = b_lo
+    if hi < b0:
+        return 0
+    return hi - b0 + 1
+
+
+@cuda.jit(device=True)
+def _item_tile(Nb, s, rows, a_lo, b_lo, rem, two):
+    """Block-local tile ``(a, b)`` of item ``rem`` of a step (``_step_shape``)."""
+    if not two:
+        return rem // (s + 1), rem % (s + 1)
+    for a in range(rows):
+        c = _row_count(Nb, s, a, a_lo, b_lo)
+        if rem < c:
+            b0 = 0
+            if a < a_lo:
+                b0 = b_lo
+            return a, b0 + rem
+        rem -= c
+    return rows, 0
 
 
 def threads_for(tx: int, ty: int) -> int:
@@ -83,10 +138,12 @@ def threads_for(tx: int, ty: int) -> int:
 
 
 def chunk_for(tx: int, ty: int, itemsize: int) -> int:
-    """K-chunk of the staged products so that the four shared arrays stay within ~40 KiB."""
+    """K-chunk of the staged products: one source tile's side (a step's products have an
+    inner dimension of one tile, ``tx`` or ``ty``), at most what keeps the four shared
+    arrays within ~40 KiB."""
     kc = 40960 // ((2 * tx + 2 * ty) * itemsize)
     kc = max(8, min(64, kc - kc % 8))
-    return int(kc)
+    return int(min(kc, max(tx, ty)))
 
 
 def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
@@ -155,6 +212,8 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
         sAI = cuda.shared.array((KC, TY), dt)
         accp = cuda.local.array(NE, dt)
         acct = cuda.local.array(NE, dt)
+        pw = cuda.local.array(NE, dt)
+        ps = cuda.local.array(NE, dt)
         pa = cuda.local.array(RX, dt)
         py = cuda.local.array(RX, dt)
         pe = cuda.local.array(RY, dt)
@@ -170,27 +229,32 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
         hi = dt(hi_i)
         zero = dt(0.0)
         for g in range(nsteps):
-            # tiles of this step over all blocks: the blocks repeat the tile ranges of the first ``period``
-            # (a stack: one period per item), so count one period and multiply
+            # the items of this step over all blocks: the blocks repeat the tile ranges of
+            # the first ``period`` (a stack: one period per item), so count one period and
+            # multiply
             per = 0
             for bi in range(period):
                 d = bi * DESC
-                cnt, alo, s = _step_tiles(desc[d + DESC_RB] - desc[d + DESC_RA],
-                                          desc[d + DESC_CB] - desc[d + DESC_CA], g, two)
+                cnt, s, rows, a_lo, b_lo = _step_shape(desc[d + DESC_RB] - desc[d + DESC_RA],
+                                                       desc[d + DESC_CB] - desc[d + DESC_CA],
+                                                       g, two)
                 per += cnt
             total = (nblk // period) * per
             w = cuda.blockIdx.x
             while w < total:
-                # locate work item w: period rep, block bi of the period, its rem-th tile
+                # locate item w: period rep, block bi of the period, its rem-th item
                 rep = w // per
                 rem = w - rep * per
                 bi = 0
-                alo = 0
                 s = 0
+                rows = 0
+                a_lo = 0
+                b_lo = 0
                 while bi < period:
                     d = bi * DESC
-                    cnt, alo, s = _step_tiles(desc[d + DESC_RB] - desc[d + DESC_RA],
-                                              desc[d + DESC_CB] - desc[d + DESC_CA], g, two)
+                    cnt, s, rows, a_lo, b_lo = _step_shape(
+                        desc[d + DESC_RB] - desc[d + DESC_RA],
+                        desc[d + DESC_CB] - desc[d + DESC_CA], g, two)
                     if rem < cnt:
                         break
                     rem -= cnt
@@ -218,20 +282,13 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                     ai_off = desc[d + DESC_AI_OFFSET]
                     s_off = desc[d + DESC_S_OFFSET]
                     z_off = desc[d + DESC_Z_OFFSET]
-                if two:  # tile rem of the block's anti-diagonal s (top row first)
-                    a = ra + alo + rem
-                    b = ca + (s - (alo + rem))
-                else:  # row tile rem of the block's column Nb - 1 - g
-                    a = ra + rem
-                    b = ca + (cb - ca - 1 - g)
+                Mb = rb - ra
+                Nb = cb - ca
+                la, lb = _item_tile(Nb, s, rows, a_lo, b_lo, rem, two)
+                a = ra + la
+                b = ca + lb
                 R0 = ra * TX
-                R1 = rb * TX
-                if R1 > m:
-                    R1 = m
                 C0 = ca * TY
-                C1 = cb * TY
-                if C1 > n:
-                    C1 = n
                 i0 = a * TX
                 i1 = i0 + TX
                 if i1 > m:
@@ -242,27 +299,77 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                 if j1 > n:
                     j1 = n
                 hy = j1 - j0
-                npull = 0
+                init = g == 0
                 if two:
-                    npull = (R1 - i1 + KC - 1) // KC
-                ntgt = (C1 - j1 + KC - 1) // KC
+                    rnd = la + lb == s
+                else:
+                    rnd = lb == s
+                # the tiles rounded at the previous step that feed this one: below it in
+                # its column (two-sided: A_O^T E) and right of it in its row (Y A_I)
+                k0 = 0
+                k1 = 0
+                l0 = 0
+                l1 = 0
+                if not init:
+                    if two:
+                        src_a = s + 1 - lb
+                        if src_a < Mb:
+                            k0 = (ra + src_a) * TX
+                            k1 = k0 + TX
+                            if k1 > m:
+                                k1 = m
+                        src_b = s + 1 - la
+                    else:
+                        src_b = s + 1
+                    if src_b < Nb:
+                        l0 = (ca + src_b) * TY
+                        l1 = l0 + TY
+                        if l1 > n:
+                            l1 = n
+                npull = (k1 - k0 + KC - 1) // KC
+                ntgt = (l1 - l0 + KC - 1) // KC
                 nch = npull
                 if ntgt > nch:
                     nch = ntgt
+                # the tile's running sums: the pull (kept in E until the tile is rounded)
+                # and the offsets plus the target terms (kept where F is)
                 for e in range(NE):
-                    accp[e] = zero
-                    acct[e] = zero
+                    el = tid + e * NT
+                    vp = zero
+                    vt = zero
+                    if el < TXY:
+                        ii = el // TY
+                        jj = el - ii * TY
+                        if ii < hx and jj < hy:
+                            fi = f_off + (i0 + ii - R0) * f_ld + (j0 + jj - C0)
+                            if not init:
+                                vp = E[e_off + (i0 + ii) * n + j0 + jj]
+                                vt = F[fi]
+                            elif has_f:
+                                vt = F[fi]
+                            if rnd:  # the rounding's loads, issued with the others
+                                pw[e] = W[w_off + (i0 + ii) * n + j0 + jj]
+                                if has_yg:
+                                    vt += Yg[e_off + (i0 + ii) * n + j0 + jj]
+                                si = 0
+                                if s_rows > 1:
+                                    si = (i0 + ii) * s_cols
+                                if s_cols > 1:
+                                    si += (j0 + jj) // gsz
+                                ps[e] = S[s_off + si]
+                    accp[e] = vp
+                    acct[e] = vt
                 for c in range(nch):
                     # issue every global load of the chunk first (registers), then store to
                     # shared memory: the loads are in flight together instead of one by one
-                    k0 = i1 + c * KC
-                    kc = R1 - k0
+                    kk0 = k0 + c * KC
+                    kc = k1 - kk0
                     if kc > KC:
                         kc = KC
                     if c >= npull:
                         kc = 0
-                    l0 = j1 + c * KC
-                    lc = C1 - l0
+                    ll0 = l0 + c * KC
+                    lc = l1 - ll0
                     if lc > KC:
                         lc = KC
                     if c >= ntgt:
@@ -275,11 +382,11 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                             kk = idx // TX
                             ii = idx - kk * TX
                             if kk < kc and ii < hx:
-                                va = AO[ao_off + (k0 + kk) * m + i0 + ii]
+                                va = AO[ao_off + (kk0 + kk) * m + i0 + ii]
                             ii2 = idx // KC
                             kk2 = idx - ii2 * KC
                             if ii2 < hx and kk2 < lc:
-                                vy = F[f_off + (i0 + ii2 - R0) * f_ld + (l0 + kk2 - C0)]
+                                vy = F[f_off + (i0 + ii2 - R0) * f_ld + (ll0 + kk2 - C0)]
                         pa[r] = va
                         py[r] = vy
                     for r in range(RY):
@@ -291,9 +398,9 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                             jj = idx - kk * TY
                             if jj < hy:
                                 if kk < kc:
-                                    ve = E[e_off + (k0 + kk) * n + j0 + jj]
+                                    ve = E[e_off + (kk0 + kk) * n + j0 + jj]
                                 if kk < lc:
-                                    vi = AI[ai_off + (l0 + kk) * n + j0 + jj]
+                                    vi = AI[ai_off + (ll0 + kk) * n + j0 + jj]
                         pe[r] = ve
                         pi[r] = vi
                     for r in range(RX):
@@ -326,7 +433,6 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                                     st += sY[ii, kk] * sAI[kk, jj]
                                 acct[e] += st
                     cuda.syncthreads()
-                # round the tile
                 for e in range(NE):
                     el = tid + e * NT
                     if el < TXY:
@@ -337,22 +443,17 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                             j = j0 + jj
                             gi = i * n + j
                             fi = f_off + (i - R0) * f_ld + (j - C0)
-                            w_ = W[w_off + gi]
-                            t = w_
-                            if has_f:
-                                t += F[fi]
-                            if has_yg:
-                                t += Yg[e_off + gi]
+                            if not rnd:  # keep the running sums for a later step
+                                E[e_off + gi] = accp[e]
+                                F[fi] = acct[e]
+                                continue
+                            # round the tile (acct holds Yg's term too)
+                            w_ = pw[e]
+                            t = w_ + acct[e]
                             t += accp[e]
-                            t += acct[e]
                             if has_t:
                                 T[o_off + gi] = t
-                            si = 0
-                            if s_rows > 1:
-                                si = i * s_cols
-                            if s_cols > 1:
-                                si += j // gsz
-                            sc = S[s_off + si]
+                            sc = ps[e]
                             q = dt(round(t / sc))
                             if asym:
                                 zi = 0

@@ -67,7 +67,7 @@ __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
-                                     RecursionPlan, step_count, step_width, two_level)
+                                     RecursionPlan, step_count, two_level)
 
 from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_E_OFFSET,
                            DESC_F_OFFSET, DESC_OUT_OFFSET, DESC_S_OFFSET, DESC_W_OFFSET,
@@ -471,6 +471,12 @@ def _cached(key, build):
     return hit
 
 
+def _width(shape) -> int:
+    """The most CTAs a launch can use per block of ``shape`` tiles: step 0 visits every tile
+    (``_cuda_kernels._step_shape``); the launch is capped at the cooperative limit."""
+    return int(shape[0]) * int(shape[1])
+
+
 def _key(r: _DeviceSolve, method: str, base: int):
     p = r.p
     return (method, base, p.m, p.n, p.tx, p.ty, p.two_sided, r.dev, SIM)
@@ -485,7 +491,7 @@ def _antidiagonal(r: _DeviceSolve) -> None:
         np.array(block_row(0, p.M, 0, p.N, 0, p.n), dtype=np.int64)))
     r.E = mod.empty((p.m, p.n), dtype=p.W.dtype)
     Y = mod.empty((p.m, p.n), dtype=p.W.dtype)  # the local accumulator G_O^T Ẽ
-    r.launch(desc, 0, 1, step_count(p.M, p.N, two), step_width(p.M, p.N, two), 0, Y)
+    r.launch(desc, 0, 1, step_count(p.M, p.N, two), p.M * p.N, 0, Y)
 
 
 class _WavePlan:
@@ -546,7 +552,7 @@ class _WavePlan:
                     after.append(plan_gemm(True, False, Rg, w, h, 1.0,
                                            ("AO", m), ("E", n), ("Yg", n), ent))
             nsteps = max(step_count(*b.shape, two) for b in step.blocks)
-            grid = sum(step_width(*b.shape, two) for b in step.blocks)
+            grid = sum(_width(b.shape) for b in step.blocks)
             steps.append((start, len(step.blocks), nsteps, grid, flags, before, after))
         self.steps = steps
         self.ops = ops
@@ -627,7 +633,7 @@ def _recursive(r: _DeviceSolve, base: int) -> None:
                 desc_rows.append(block_row(b.ra, b.rb, b.ca, b.cb, R[b.ra] * n + C[b.ca], n))
             program.append((kind, (start, len(what),
                                    max(step_count(*b.shape, two) for b in what),
-                                   sum(step_width(*b.shape, two) for b in what))))
+                                   sum(_width(b.shape) for b in what))))
         return program, r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1))
 
     program, desc = _cached(_key(r, "recursive", base), build)
@@ -798,7 +804,7 @@ def _stack_antidiagonal(r: _StackSolve) -> str:
     r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
     Y = mod.empty((r.nb * mn,), dtype=p.W.dtype)  # each item's local accumulator G_O^T Ẽ
     nsteps = step_count(p.M, p.N, two)
-    r.launch(desc, 0, r.nb, nsteps, r.nb * step_width(p.M, p.N, two), 0, Y, period=1)
+    r.launch(desc, 0, r.nb, nsteps, r.nb * p.M * p.N, 0, Y, period=1)
     return (f"one launch for {r.nb} items: {nsteps} grid-synchronised tile steps, each over "
             f"the tiles of every item")
 

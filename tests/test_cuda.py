@@ -107,6 +107,38 @@ def test_sim_engine_available_and_capabilities():
 
 
 @sim_only
+@pytest.mark.parametrize("two", [True, False])
+def test_sim_step_items_are_the_tiles_that_receive(two):
+    """The kernel's item enumeration (``_step_shape``, ``_item_tile``) against its definition:
+    step 0 visits every tile; a later step visits, once each, the tiles not yet rounded that
+    receive a contribution from the tiles rounded at the step before (two-sided: from below
+    in their column or from the right in their row; one-sided: from the right), and those
+    include every tile the step rounds."""
+    from bakron.backends import _cuda_kernels as k
+    for Mb in range(1, 7):
+        for Nb in range(1, 7):
+            steps = Mb + Nb - 1 if two else Nb
+            for g in range(steps + 1):
+                cnt, s, rows, a_lo, b_lo = k._step_shape(Mb, Nb, g, two)
+                got = [tuple(k._item_tile(Nb, s, rows, a_lo, b_lo, r, two))
+                       for r in range(cnt)]
+                tiles = [(a, b) for a in range(Mb) for b in range(Nb)]
+                if g == steps:
+                    want = []
+                elif g == 0:
+                    want = tiles
+                elif two:
+                    want = [(a, b) for a, b in tiles if a + b <= s
+                            and (s + 1 - b < Mb or s + 1 - a < Nb)]
+                else:
+                    want = [(a, b) for a, b in tiles if b <= s]
+                assert len(got) == len(set(got)) == cnt, (Mb, Nb, g)
+                assert set(got) == set(want), (Mb, Nb, g, got, want)
+                rounded = [(a, b) for a, b in tiles if (a + b if two else b) == s]
+                assert set(rounded) <= set(got), (Mb, Nb, g)
+
+
+@sim_only
 @pytest.mark.parametrize("name", ["pub_32x48_t16_b2", "pub_48x80_t16_b4"])
 @pytest.mark.parametrize("method,base", [("antidiagonal", None), ("wavefront", 1),
                                          ("recursive", 2)])
