@@ -65,9 +65,11 @@ _CACHE: dict = {}
 
 
 @cuda.jit(device=True)
-def _step_shape(Mb, Nb, g, two):
+def _step_shape(Mb, Nb, g, two, run):
     """The work of step ``g`` on an ``Mb x Nb`` block (docs/engines.md, "The GPU tile step"):
-    ``(count, s, rows, a_lo, b_lo)``. Two-sided, step ``g`` rounds anti-diagonal
+    ``(count, s, rows, a_lo, b_lo)``. Without running sums (``run`` false) the items are the
+    tiles the step rounds: two-sided, rows ``a_lo .. a_lo + count - 1`` of anti-diagonal ``s``;
+    one-sided, the ``Mb`` tiles of column ``s``. With running sums: two-sided, step ``g`` rounds anti-diagonal
     ``s = Mb + Nb - 2 - g``; its items are the tiles not yet rounded (``a + b <= s``) that
     receive a contribution from anti-diagonal ``s + 1`` (rounded at step ``g - 1``): those of
     rows ``a >= a_lo`` (a tile to their right) or of columns ``b >= b_lo`` (a tile below
@@ -78,6 +80,14 @@ def _step_shape(Mb, Nb, g, two):
         s = Mb + Nb - 2 - g
         if s < 0:
             return 0, s, 0, 0, 0
+        if not run:
+            a_lo = s - Nb + 1
+            if a_lo < 0:
+                a_lo = 0
+            a_hi = s
+            if a_hi > Mb - 1:
+                a_hi = Mb - 1
+            return a_hi - a_lo + 1, s, 0, a_lo, 0
         a_lo = 0
         b_lo = 0
         if g > 0:
@@ -98,6 +108,8 @@ def _step_shape(Mb, Nb, g, two):
     s = Nb - 1 - g
     if s < 0:
         return 0, s, 0, 0, 0
+    if not run:
+        return Mb, s, Mb, 0, 0
     return Mb * (s + 1), s, Mb, 0, 0
 
 
@@ -116,8 +128,12 @@ def _row_count(Nb, s, a, a_lo, b_lo):
 
 
 @cuda.jit(device=True)
-def _item_tile(Nb, s, rows, a_lo, b_lo, rem, two):
+def _item_tile(Nb, s, rows, a_lo, b_lo, rem, two, run):
     """Block-local tile ``(a, b)`` of item ``rem`` of a step (``_step_shape``)."""
+    if not run:
+        if two:
+            return a_lo + rem, s - (a_lo + rem)
+        return rem, s
     if not two:
         return rem // (s + 1), rem % (s + 1)
     for a in range(rows):
@@ -138,16 +154,14 @@ def threads_for(tx: int, ty: int) -> int:
 
 
 def chunk_for(tx: int, ty: int, itemsize: int) -> int:
-    """K-chunk of the staged products: one source tile's side (a step's products have an
-    inner dimension of one tile, ``tx`` or ``ty``), at most what keeps the four shared
-    arrays within ~40 KiB."""
+    """K-chunk of the staged products so that the four shared arrays stay within ~40 KiB."""
     kc = 40960 // ((2 * tx + 2 * ty) * itemsize)
     kc = max(8, min(64, kc - kc % 8))
-    return int(min(kc, max(tx, ty)))
+    return int(kc)
 
 
 def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
-                items: bool = False):
+                items: bool = False, running: bool = True):
     """The block kernel for ``dtype_name`` ('float32'/'float64') and a ``tx x ty`` tile.
 
     ``mode='ptr'``: compiled eagerly with raw-pointer arguments (launch with integers);
@@ -156,11 +170,16 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     for stacks, which reads each block's item offsets from its descriptor; without it the
     offsets are the constant 0 (a single solve), which keeps nine 64-bit offsets out of the
     registers of the tile loop (measured on the H200: the single-solve kernel with the
-    offsets read took 4-14 % longer, docs/benchmarks/h200.md). Returns
+    offsets read took 4-14 % longer, docs/benchmarks/h200.md). ``running``: the step of
+    running sums (each step adds the contributions of the tiles rounded at the step before,
+    over all the tiles that receive one); without it a step's items are the tiles it rounds,
+    each forming its whole sums in chunks of ``chunk_for`` (fewer loads per product: better
+    when a block's sums fit one chunk, docs/engines.md, "The GPU tile step"). Returns
     ``(dispatcher, threads)``.
     """
-    key = (dtype_name, tx, ty, mode, maxreg, bool(items))
+    key = (dtype_name, tx, ty, mode, maxreg, bool(items), bool(running))
     ITEMS = bool(items)
+    RUN = bool(running)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
@@ -169,6 +188,8 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     TX, TY = int(tx), int(ty)
     NT = threads_for(TX, TY)
     KC = chunk_for(TX, TY, isz)
+    if RUN:  # a running sum's products have an inner dimension of one tile
+        KC = min(KC, max(TX, TY))
     NE = (TX * TY + NT - 1) // NT
     TXY = TX * TY
     KTX = KC * TX
@@ -237,7 +258,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                 d = bi * DESC
                 cnt, s, rows, a_lo, b_lo = _step_shape(desc[d + DESC_RB] - desc[d + DESC_RA],
                                                        desc[d + DESC_CB] - desc[d + DESC_CA],
-                                                       g, two)
+                                                       g, two, RUN)
                 per += cnt
             total = (nblk // period) * per
             w = cuda.blockIdx.x
@@ -254,7 +275,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                     d = bi * DESC
                     cnt, s, rows, a_lo, b_lo = _step_shape(
                         desc[d + DESC_RB] - desc[d + DESC_RA],
-                        desc[d + DESC_CB] - desc[d + DESC_CA], g, two)
+                        desc[d + DESC_CB] - desc[d + DESC_CA], g, two, RUN)
                     if rem < cnt:
                         break
                     rem -= cnt
@@ -284,7 +305,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                     z_off = desc[d + DESC_Z_OFFSET]
                 Mb = rb - ra
                 Nb = cb - ca
-                la, lb = _item_tile(Nb, s, rows, a_lo, b_lo, rem, two)
+                la, lb = _item_tile(Nb, s, rows, a_lo, b_lo, rem, two, RUN)
                 a = ra + la
                 b = ca + lb
                 R0 = ra * TX
@@ -299,18 +320,32 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                 if j1 > n:
                     j1 = n
                 hy = j1 - j0
-                init = g == 0
-                if two:
-                    rnd = la + lb == s
-                else:
-                    rnd = lb == s
-                # the tiles rounded at the previous step that feed this one: below it in
-                # its column (two-sided: A_O^T E) and right of it in its row (Y A_I)
+                # sums start from F (or 0) at step 0, and at every step without running sums
+                init = g == 0 or not RUN
+                rnd = True
+                if RUN:
+                    if two:
+                        rnd = la + lb == s
+                    else:
+                        rnd = lb == s
+                # what feeds this tile at this step. With running sums: the tiles rounded at
+                # the previous step below it in its column (two-sided: A_O^T E) and right of
+                # it in its row (Y A_I); without: everything below and right of it in the block
                 k0 = 0
                 k1 = 0
                 l0 = 0
                 l1 = 0
-                if not init:
+                if not RUN:
+                    if two:
+                        k0 = i1
+                        k1 = rb * TX
+                        if k1 > m:
+                            k1 = m
+                    l0 = j1
+                    l1 = cb * TY
+                    if l1 > n:
+                        l1 = n
+                elif not init:
                     if two:
                         src_a = s + 1 - lb
                         if src_a < Mb:

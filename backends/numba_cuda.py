@@ -52,6 +52,11 @@ Options (module attributes, or environment variables read at import):
   256 threads per SM at 128); 0 leaves it to the compiler.
 * ``LAUNCH`` (``BAKRON_CUDA_LAUNCH``, ``ptr`` or ``array``): pass raw device pointers to the
   kernel (no wrapping per launch) or wrapped 1-D arrays (``cuda.as_cuda_array``; slower).
+* ``STEP`` (``BAKRON_CUDA_STEP``, ``auto``, ``running`` or ``chain``): the kernel's tile
+  step (docs/engines.md, "The GPU tile step"): running sums (each step adds the
+  contributions of the tiles rounded at the step before), or each tile's whole sums formed
+  when it rounds; ``auto`` takes running sums when a block's sums need more than one
+  K-chunk (blocks of more than 5 tiles of 16).
 * ``STACK`` (``BAKRON_CUDA_STACK``, default 1): the stack hook ``solve_stack`` (every launch
   and GEMM covers all items of a stack chunk, docs/stacks.md); 0 declines every stack, so
   the stack layer solves the items one by one (what the benchmark compares against).
@@ -79,6 +84,7 @@ SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 TF32 = os.environ.get("BAKRON_CUDA_TF32", "0") == "1"
 MAXREG = int(os.environ.get("BAKRON_CUDA_MAXREG", "128"))
 STACK = os.environ.get("BAKRON_CUDA_STACK", "1") == "1"
+STEP = os.environ.get("BAKRON_CUDA_STEP", "auto")
 LAUNCH = os.environ.get("BAKRON_CUDA_LAUNCH", "array" if SIM else "ptr")
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
@@ -167,9 +173,7 @@ class _DeviceSolve:
         self.lo, self.hi = q.code_range
         self.flags0 = ((TWO_SIDED if p.two_sided else 0) | (0 if q.symmetric else ASYM)
                        | (HAS_T if p.record_targets else 0))
-        self.kernel, self.nt = _kernels().make_kernel(self.dtname, p.tx, p.ty,
-                                             "array" if (SIM or LAUNCH == "array") else "ptr",
-                                             0 if SIM else MAXREG, items=self.items)
+        self._kernels: dict = {}
         self.launches = 0
         self.gemms = 0
         if SIM:
@@ -185,17 +189,39 @@ class _DeviceSolve:
         self._wrapped: dict = {}
 
     # -- kernel --------------------------------------------------------------------------
-    def max_grid(self) -> int:
+    def running(self, span) -> bool:
+        """Whether a launch whose largest block has ``span = (Mb, Nb)`` tiles uses the step
+        of running sums (``STEP``; ``auto``: when a tile's sums would need more than one
+        chunk of the other step, docs/engines.md, "The GPU tile step")."""
+        if STEP != "auto":
+            return STEP == "running"
+        p = self.p
+        Mb, Nb = span
+        chain = max((Mb - 1) * p.tx if p.two_sided else 0, (Nb - 1) * p.ty)
+        return chain > _kernels().chunk_for(p.tx, p.ty, self.isz)
+
+    def kernel(self, running: bool):
+        """``(dispatcher, threads)`` of the kernel variant for this solve."""
+        hit = self._kernels.get(running)
+        if hit is None:
+            p = self.p
+            hit = self._kernels[running] = _kernels().make_kernel(
+                self.dtname, p.tx, p.ty, "array" if (SIM or LAUNCH == "array") else "ptr",
+                0 if SIM else MAXREG, items=self.items, running=running)
+        return hit
+
+    def max_grid(self, running: bool) -> int:
         if SIM:
             return 1
-        key = (self.dtname, self.p.tx, self.p.ty, LAUNCH, MAXREG, self.items, self.dev)
+        key = (self.dtname, self.p.tx, self.p.ty, LAUNCH, MAXREG, self.items, running, self.dev)
         g = _MAXGRID.get(key)
         if g is None:
             cuda = _cuda()
+            disp, nt = self.kernel(running)
             with cuda.gpus[self.dev]:
                 if LAUNCH == "ptr":
-                    kern = next(iter(self.kernel.overloads.values()))
-                    g = int(kern.max_cooperative_grid_blocks(self.nt))
+                    kern = next(iter(disp.overloads.values()))
+                    g = int(kern.max_cooperative_grid_blocks(nt))
                 else:
                     g = int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
             _MAXGRID[key] = g = max(1, g)
@@ -236,11 +262,13 @@ class _DeviceSolve:
         return hit
 
     def launch(self, desc, first: int, nblk: int, nsteps: int, grid: int, flags: int,
-               F, Yg=None, period: int = 0):
+               F, Yg=None, period: int = 0, span=(1, 1)):
         """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``; the
-        tile ranges of the first ``period`` repeat, see ``params``)."""
-        p = self.p
+        tile ranges of the first ``period`` repeat, see ``params``; ``span``: the largest
+        block's tiles ``(Mb, Nb)``, which picks the kernel's step, ``running``)."""
         W = self.W
+        run = self.running(span)
+        kernel, nt = self.kernel(run)
         prm = self.params(nblk, nsteps, flags, period)
         if SIM:
             dsc = desc[first * DESC:]
@@ -256,27 +284,27 @@ class _DeviceSolve:
                    a(self.T if self.T is not None else W))
         quant_grid = (a(self.S), a(self.Z if self.Z is not None else self.S))
         args = _kernel_order(problem, buffers, quant_grid, (dsc, prm))
-        grid = max(1, min(grid, self.max_grid()))
+        grid = max(1, min(grid, self.max_grid(run)))
         self.launches += 1
         if SIM:
-            self.kernel[1, self.nt](*args)
+            kernel[1, nt](*args)
             return
         cuda = _cuda()
         with cuda.gpus[self.dev]:
             if LAUNCH == "ptr":
-                kern = next(iter(self.kernel.overloads.values()))
+                kern = next(iter(kernel.overloads.values()))
                 try:
-                    kern.launch(args, (grid, 1, 1), (self.nt, 1, 1), self.nstream, 0)
+                    kern.launch(args, (grid, 1, 1), (nt, 1, 1), self.nstream, 0)
                 except Exception as exc:  # pointer launch unsupported here: wrap arrays
                     if self.launches > 1:
                         raise
                     _fallback_to_arrays(exc)
-                    self.kernel, self.nt = _kernels().make_kernel(
-                        self.dtname, p.tx, p.ty, "array", MAXREG, items=self.items)
+                    self._kernels.clear()
                     self.launches -= 1
-                    return self.launch(desc, first, nblk, nsteps, grid, flags, F, Yg, period)
+                    return self.launch(desc, first, nblk, nsteps, grid, flags, F, Yg, period,
+                                       span)
             else:
-                self.kernel[grid, self.nt, self.nstream](*args)
+                kernel[grid, nt, self.nstream](*args)
 
     # -- tables: planned once per shape, uploaded once, cached --------------------------
     def device_table(self, table: np.ndarray):
@@ -491,7 +519,7 @@ def _antidiagonal(r: _DeviceSolve) -> None:
         np.array(block_row(0, p.M, 0, p.N, 0, p.n), dtype=np.int64)))
     r.E = mod.empty((p.m, p.n), dtype=p.W.dtype)
     Y = mod.empty((p.m, p.n), dtype=p.W.dtype)  # the local accumulator G_O^T Ẽ
-    r.launch(desc, 0, 1, step_count(p.M, p.N, two), p.M * p.N, 0, Y)
+    r.launch(desc, 0, 1, step_count(p.M, p.N, two), p.M * p.N, 0, Y, span=(p.M, p.N))
 
 
 class _WavePlan:
@@ -553,7 +581,8 @@ class _WavePlan:
                                            ("AO", m), ("E", n), ("Yg", n), ent))
             nsteps = max(step_count(*b.shape, two) for b in step.blocks)
             grid = sum(_width(b.shape) for b in step.blocks)
-            steps.append((start, len(step.blocks), nsteps, grid, flags, before, after))
+            span = (max(b.shape[0] for b in step.blocks), max(b.shape[1] for b in step.blocks))
+            steps.append((start, len(step.blocks), nsteps, grid, flags, before, after, span))
         self.steps = steps
         self.ops = ops
         kb = max([len(e) for e in entries] + [1])
@@ -602,10 +631,10 @@ def _wavefront(r: _DeviceSolve, cs: int) -> None:
     Fb = mod.empty((plan.fb_size,), dtype=p.W.dtype)
     r.buffers = {"Yg": Yg, "AI": r.AI, "AO": r.AO, "E": r.E, "Fb": Fb}
     ptrs = plan.offs if SIM else _pointers(r, plan, r.buffers)
-    for start, k, nsteps, grid, flags, before, after in plan.steps:
+    for start, k, nsteps, grid, flags, before, after, span in plan.steps:
         for g in before:
             r.gemm_batched(plan.ops[g], ptrs)
-        r.launch(plan.desc, start, k, nsteps, grid, flags, Fb, Yg)
+        r.launch(plan.desc, start, k, nsteps, grid, flags, Fb, Yg, span=span)
         for g in after:
             r.gemm_batched(plan.ops[g], ptrs)
 
@@ -633,15 +662,17 @@ def _recursive(r: _DeviceSolve, base: int) -> None:
                 desc_rows.append(block_row(b.ra, b.rb, b.ca, b.cb, R[b.ra] * n + C[b.ca], n))
             program.append((kind, (start, len(what),
                                    max(step_count(*b.shape, two) for b in what),
-                                   sum(_width(b.shape) for b in what))))
+                                   sum(_width(b.shape) for b in what),
+                                   (max(b.shape[0] for b in what),
+                                    max(b.shape[1] for b in what)))))
         return program, r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1))
 
     program, desc = _cached(_key(r, "recursive", base), build)
     kept: dict = {}  # after_D's X per quadrant node, until its after_BC
     for kind, what in program:
         if kind == "leaves":
-            start, k, nsteps, grid = what
-            r.launch(desc, start, k, nsteps, grid, HAS_F, F)
+            start, k, nsteps, grid, span = what
+            r.launch(desc, start, k, nsteps, grid, HAS_F, F, span=span)
         else:
             _update(r, what, E, F, kept)
 
@@ -804,7 +835,7 @@ def _stack_antidiagonal(r: _StackSolve) -> str:
     r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
     Y = mod.empty((r.nb * mn,), dtype=p.W.dtype)  # each item's local accumulator G_O^T Ẽ
     nsteps = step_count(p.M, p.N, two)
-    r.launch(desc, 0, r.nb, nsteps, r.nb * p.M * p.N, 0, Y, period=1)
+    r.launch(desc, 0, r.nb, nsteps, r.nb * p.M * p.N, 0, Y, period=1, span=(p.M, p.N))
     return (f"one launch for {r.nb} items: {nsteps} grid-synchronised tile steps, each over "
             f"the tiles of every item")
 
@@ -822,9 +853,9 @@ class _StackWavePlan:
                     "AI": r.item_desc[:, DESC_AI_OFFSET], "AO": r.item_desc[:, DESC_AO_OFFSET]}
         self.fb_size = fb
         desc, steps, first = [], [], 0
-        for start, k, nsteps, grid, flags, before, after in plan.steps:
+        for start, k, nsteps, grid, flags, before, after, span in plan.steps:
             desc.append(r.blocks(plan.desc_rows[start:start + k], fb))
-            steps.append((first, k * nb, nsteps, grid * nb, flags, before, after, k))
+            steps.append((first, k * nb, nsteps, grid * nb, flags, before, after, k, span))
             first += k * nb
         self.steps = steps
         self.ops = []
@@ -861,10 +892,10 @@ def _stack_wavefront(r: "_StackSolve", cs: int) -> str:
     Fb = mod.empty((r.nb * sp.fb_size,), dtype=p.W.dtype)
     r.buffers = {"Yg": Yg, "AI": r.AI, "AO": r.AO, "E": r.E, "Fb": Fb}
     ptrs = sp.offs if SIM else _pointers(r, sp, r.buffers)
-    for first, k, nsteps, grid, flags, before, after, period in sp.steps:
+    for first, k, nsteps, grid, flags, before, after, period, span in sp.steps:
         for g in before:
             r.gemm_batched(sp.ops[g], ptrs)
-        r.launch(sp.desc, first, k, nsteps, grid, flags, Fb, Yg, period=period)
+        r.launch(sp.desc, first, k, nsteps, grid, flags, Fb, Yg, period=period, span=span)
         for g in after:
             r.gemm_batched(sp.ops[g], ptrs)
     return (f"one launch per coarse step for {r.nb} items: {len(sp.steps)} coarse steps of "
@@ -960,8 +991,10 @@ def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:
     """Compile the kernels (a few seconds each) so that the first solve is not slower."""
     for dt in dtypes:
         for tx, ty in tiles:
-            _kernels().make_kernel(dt, tx, ty, "array" if (SIM or LAUNCH == "array") else "ptr",
-                           0 if SIM else MAXREG)
+            for running in (True, False):
+                _kernels().make_kernel(dt, tx, ty,
+                                       "array" if (SIM or LAUNCH == "array") else "ptr",
+                                       0 if SIM else MAXREG, running=running)
 
 
 def auto_method(p, base: int) -> str:

@@ -106,6 +106,15 @@ def test_sim_engine_available_and_capabilities():
     assert r.engine != "cuda"  # auto: another engine runs what cuda's table lacks
 
 
+@pytest.fixture(params=["running", "chain"])
+def step(request, monkeypatch):
+    """Both tile steps of the kernel (``numba_cuda.STEP``; ``auto`` picks running sums only
+    for blocks longer than one K-chunk, which the simulator's tiny problems never have)."""
+    from bakron.backends import numba_cuda
+    monkeypatch.setattr(numba_cuda, "STEP", request.param)
+    return request.param
+
+
 @sim_only
 @pytest.mark.parametrize("two", [True, False])
 def test_sim_step_items_are_the_tiles_that_receive(two):
@@ -119,8 +128,8 @@ def test_sim_step_items_are_the_tiles_that_receive(two):
         for Nb in range(1, 7):
             steps = Mb + Nb - 1 if two else Nb
             for g in range(steps + 1):
-                cnt, s, rows, a_lo, b_lo = k._step_shape(Mb, Nb, g, two)
-                got = [tuple(k._item_tile(Nb, s, rows, a_lo, b_lo, r, two))
+                cnt, s, rows, a_lo, b_lo = k._step_shape(Mb, Nb, g, two, True)
+                got = [tuple(k._item_tile(Nb, s, rows, a_lo, b_lo, r, two, True))
                        for r in range(cnt)]
                 tiles = [(a, b) for a in range(Mb) for b in range(Nb)]
                 if g == steps:
@@ -136,13 +145,18 @@ def test_sim_step_items_are_the_tiles_that_receive(two):
                 assert set(got) == set(want), (Mb, Nb, g, got, want)
                 rounded = [(a, b) for a, b in tiles if (a + b if two else b) == s]
                 assert set(rounded) <= set(got), (Mb, Nb, g)
+                # without running sums a step's items are exactly the tiles it rounds
+                cnt, s, rows, a_lo, b_lo = k._step_shape(Mb, Nb, g, two, False)
+                got = [tuple(k._item_tile(Nb, s, rows, a_lo, b_lo, r, two, False))
+                       for r in range(cnt)]
+                assert sorted(got) == sorted(rounded), (Mb, Nb, g)
 
 
 @sim_only
 @pytest.mark.parametrize("name", ["pub_32x48_t16_b2", "pub_48x80_t16_b4"])
 @pytest.mark.parametrize("method,base", [("antidiagonal", None), ("wavefront", 1),
                                          ("recursive", 2)])
-def test_sim_reference_cases_exact(ref_case, name, method, base):
+def test_sim_reference_cases_exact(ref_case, name, method, base, step):
     path = [p for p in REFERENCE_CASES if p.endswith(name + ".npz")][0]
     d = ref_case(path)
     tile = tuple(int(t) for t in d["tile"])
@@ -171,7 +185,7 @@ def test_sim_solve_entry_point_and_targets():
 
 @sim_only
 @pytest.mark.parametrize("seed", range(4))
-def test_sim_random_methods_match_cpu(seed):
+def test_sim_random_methods_match_cpu(seed, step):
     rng = np.random.default_rng(seed)
     m, n = (int(v) for v in rng.integers(5, 14, 2))
     tx, ty = int(rng.integers(1, 4)), int(rng.integers(1, 4))
@@ -402,7 +416,7 @@ def _check_items(res, W, A_out, A_in, qs, tile, *, engine="cuda", method="antidi
 
 
 @sim_only
-def test_sim_stack_one_launch_equals_items():
+def test_sim_stack_one_launch_equals_items(step):
     """Two-sided, ragged tiles (9 x 7 in 2 x 3 tiles), per-item quantizers and A_out, A_in
     shared by the stack: one launch for the whole stack, every item equal to its single
     solve on the cuda engine and on the array-API engine (float64: exact)."""
@@ -421,7 +435,7 @@ def test_sim_stack_one_launch_equals_items():
 
 
 @sim_only
-def test_sim_stack_one_sided_asym_groups_targets():
+def test_sim_stack_one_sided_asym_groups_targets(step):
     """One-sided, asymmetric per-group grids (one per item), targets recorded: equal to the
     single solves bitwise (values, codes and targets)."""
     W, AO, AI, qs = _stack(2, 2, 6, 8, 3, 2, two_sided=False, symmetric=False,
