@@ -67,19 +67,27 @@ _CACHE: dict = {}
 @cuda.jit(device=True)
 def _step_shape(Mb, Nb, g, two, run):
     """The work of step ``g`` on an ``Mb x Nb`` block (docs/engines.md, "The GPU tile step"):
-    ``(count, s, rows, a_lo, b_lo)``. Without running sums (``run`` false) the items are the
-    tiles the step rounds: two-sided, rows ``a_lo .. a_lo + count - 1`` of anti-diagonal ``s``;
-    one-sided, the ``Mb`` tiles of column ``s``. With running sums: two-sided, step ``g`` rounds anti-diagonal
-    ``s = Mb + Nb - 2 - g``; its items are the tiles not yet rounded (``a + b <= s``) that
-    receive a contribution from anti-diagonal ``s + 1`` (rounded at step ``g - 1``): those of
-    rows ``a >= a_lo`` (a tile to their right) or of columns ``b >= b_lo`` (a tile below
-    them), over rows ``0 .. rows - 1``. Step 0 visits every tile (it starts the block's
-    accumulators). One-sided, step ``g`` rounds tile column ``s = Nb - 1 - g`` and its items
-    are the tiles of columns ``0 .. s``. ``count`` is 0 once the block is done."""
+    ``(count, s, rows, a_lo, b_lo)``, each found in O(1).
+
+    Without running sums (``run`` false) the items are the tiles the step rounds: two-sided,
+    rows ``a_lo .. a_lo + count - 1`` of anti-diagonal ``s = Mb + Nb - 2 - g``; one-sided, the
+    ``Mb`` tiles of column ``s = Nb - 1 - g``.
+
+    With running sums, two-sided: the items are the tiles not yet rounded (``a + b <= s``)
+    that receive a contribution from anti-diagonal ``s + 1`` (rounded at step ``g - 1``):
+    a tile to their right exists for rows ``a >= a_lo = s + 2 - Nb``, a tile below them for
+    columns ``b >= b_lo = s + 2 - Mb``. They are a rectangle, rows ``0 .. a_lo - 1`` by
+    columns ``b_lo .. Nb - 1`` (``a_lo * (Nb - b_lo)`` items), then the ``rows`` rows
+    ``a_lo ..`` in which row ``a`` has the ``s - a + 1`` tiles ``0 .. s - a``. Step 0 visits
+    every tile (it starts the sums): ``count = Mb Nb``, ``rows = -1``. One-sided: the tiles of
+    columns ``0 .. s``. ``count`` is 0 once the block is done."""
     if two:
         s = Mb + Nb - 2 - g
         if s < 0:
             return 0, s, 0, 0, 0
+        a_lo = s + 2 - Nb
+        if a_lo < 0:
+            a_lo = 0
         if not run:
             a_lo = s - Nb + 1
             if a_lo < 0:
@@ -88,22 +96,18 @@ def _step_shape(Mb, Nb, g, two, run):
             if a_hi > Mb - 1:
                 a_hi = Mb - 1
             return a_hi - a_lo + 1, s, 0, a_lo, 0
-        a_lo = 0
-        b_lo = 0
-        if g > 0:
-            a_lo = s + 2 - Nb
-            if a_lo < 0:
-                a_lo = 0
-            b_lo = s + 2 - Mb
-            if b_lo < 0:
-                b_lo = 0
-        rows = s + 1
-        if rows > Mb:
-            rows = Mb
-        count = 0
-        for a in range(rows):
-            c = _row_count(Nb, s, a, a_lo, b_lo)
-            count += c
+        if g == 0:
+            return Mb * Nb, s, -1, 0, 0
+        b_lo = s + 2 - Mb
+        if b_lo < 0:
+            b_lo = 0
+        a_hi = s
+        if a_hi > Mb - 1:
+            a_hi = Mb - 1
+        rows = a_hi - a_lo + 1
+        # rows a_hi, a_hi - 1, ..., a_lo hold k0, k0 + 1, ... items (k0 = s - a_hi + 1)
+        k0 = s - a_hi + 1
+        count = a_lo * (Nb - b_lo) + rows * k0 + rows * (rows - 1) // 2
         return count, s, rows, a_lo, b_lo
     s = Nb - 1 - g
     if s < 0:
@@ -114,37 +118,34 @@ def _step_shape(Mb, Nb, g, two, run):
 
 
 @cuda.jit(device=True)
-def _row_count(Nb, s, a, a_lo, b_lo):
-    """Items of row ``a`` in a two-sided step (``_step_shape``): columns ``b0 .. s - a``."""
-    hi = s - a
-    if hi > Nb - 1:
-        hi = Nb - 1
-    b0 = 0
-    if a < a_lo:
-        b0 = b_lo
-    if hi < b0:
-        return 0
-    return hi - b0 + 1
-
-
-@cuda.jit(device=True)
 def _item_tile(Nb, s, rows, a_lo, b_lo, rem, two, run):
-    """Block-local tile ``(a, b)`` of item ``rem`` of a step (``_step_shape``)."""
+    """Block-local tile ``(a, b)`` of item ``rem`` of a step (``_step_shape``), in O(1)."""
     if not run:
         if two:
             return a_lo + rem, s - (a_lo + rem)
         return rem, s
     if not two:
         return rem // (s + 1), rem % (s + 1)
-    for a in range(rows):
-        c = _row_count(Nb, s, a, a_lo, b_lo)
-        if rem < c:
-            b0 = 0
-            if a < a_lo:
-                b0 = b_lo
-            return a, b0 + rem
-        rem -= c
-    return rows, 0
+    if rows < 0:  # step 0: every tile
+        return rem // Nb, rem % Nb
+    wb = Nb - b_lo
+    if rem < a_lo * wb:  # the rectangle
+        return rem // wb, b_lo + rem % wb
+    rem -= a_lo * wb
+    # row j (from the bottom, a = a_hi - j) starts at j k0 + j (j - 1) / 2
+    a_hi = a_lo + rows - 1
+    k0 = s - a_hi + 1
+    c = 2 * k0 - 1
+    j = int((math.sqrt(float(c * c + 8 * rem)) - c) * 0.5)
+    if j > rows - 1:
+        j = rows - 1
+    if j < 0:
+        j = 0
+    while j > 0 and j * k0 + j * (j - 1) // 2 > rem:
+        j -= 1
+    while j < rows - 1 and (j + 1) * k0 + (j + 1) * j // 2 <= rem:
+        j += 1
+    return a_hi - j, rem - (j * k0 + j * (j - 1) // 2)
 
 
 def threads_for(tx: int, ty: int) -> int:

@@ -124,32 +124,32 @@ def test_sim_step_items_are_the_tiles_that_receive(two):
     in their column or from the right in their row; one-sided: from the right), and those
     include every tile the step rounds."""
     from bakron.backends import _cuda_kernels as k
-    for Mb in range(1, 7):
-        for Nb in range(1, 7):
-            steps = Mb + Nb - 1 if two else Nb
-            for g in range(steps + 1):
-                cnt, s, rows, a_lo, b_lo = k._step_shape(Mb, Nb, g, two, True)
-                got = [tuple(k._item_tile(Nb, s, rows, a_lo, b_lo, r, two, True))
-                       for r in range(cnt)]
-                tiles = [(a, b) for a in range(Mb) for b in range(Nb)]
-                if g == steps:
-                    want = []
-                elif g == 0:
-                    want = tiles
-                elif two:
-                    want = [(a, b) for a, b in tiles if a + b <= s
-                            and (s + 1 - b < Mb or s + 1 - a < Nb)]
-                else:
-                    want = [(a, b) for a, b in tiles if b <= s]
-                assert len(got) == len(set(got)) == cnt, (Mb, Nb, g)
-                assert set(got) == set(want), (Mb, Nb, g, got, want)
-                rounded = [(a, b) for a, b in tiles if (a + b if two else b) == s]
-                assert set(rounded) <= set(got), (Mb, Nb, g)
-                # without running sums a step's items are exactly the tiles it rounds
-                cnt, s, rows, a_lo, b_lo = k._step_shape(Mb, Nb, g, two, False)
-                got = [tuple(k._item_tile(Nb, s, rows, a_lo, b_lo, r, two, False))
-                       for r in range(cnt)]
-                assert sorted(got) == sorted(rounded), (Mb, Nb, g)
+    shapes = [(Mb, Nb) for Mb in range(1, 7) for Nb in range(1, 7)]
+    for Mb, Nb in shapes + [(16, 16), (31, 9), (9, 40), (48, 48)]:
+        steps = Mb + Nb - 1 if two else Nb
+        for g in range(steps + 1):
+            cnt, s, rows, a_lo, b_lo = k._step_shape(Mb, Nb, g, two, True)
+            got = [tuple(k._item_tile(Nb, s, rows, a_lo, b_lo, r, two, True))
+                   for r in range(cnt)]
+            tiles = [(a, b) for a in range(Mb) for b in range(Nb)]
+            if g == steps:
+                want = []
+            elif g == 0:
+                want = tiles
+            elif two:
+                want = [(a, b) for a, b in tiles if a + b <= s
+                        and (s + 1 - b < Mb or s + 1 - a < Nb)]
+            else:
+                want = [(a, b) for a, b in tiles if b <= s]
+            assert len(got) == len(set(got)) == cnt, (Mb, Nb, g)
+            assert set(got) == set(want), (Mb, Nb, g, got, want)
+            rounded = [(a, b) for a, b in tiles if (a + b if two else b) == s]
+            assert set(rounded) <= set(got), (Mb, Nb, g)
+            # without running sums a step's items are exactly the tiles it rounds
+            cnt, s, rows, a_lo, b_lo = k._step_shape(Mb, Nb, g, two, False)
+            got = [tuple(k._item_tile(Nb, s, rows, a_lo, b_lo, r, two, False))
+                   for r in range(cnt)]
+            assert sorted(got) == sorted(rounded), (Mb, Nb, g)
 
 
 @sim_only
