@@ -72,7 +72,7 @@ __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
-                                     RecursionPlan, step_count, two_level)
+                                     RecursionPlan, step_count, step_width, two_level)
 
 from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_E_OFFSET,
                            DESC_F_OFFSET, DESC_OUT_OFFSET, DESC_S_OFFSET, DESC_W_OFFSET,
@@ -261,14 +261,16 @@ class _DeviceSolve:
                 _PARAMS.pop(next(iter(_PARAMS)))
         return hit
 
-    def launch(self, desc, first: int, nblk: int, nsteps: int, grid: int, flags: int,
+    def launch(self, desc, first: int, nblk: int, nsteps: int, grid: tuple, flags: int,
                F, Yg=None, period: int = 0, span=(1, 1)):
         """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``; the
         tile ranges of the first ``period`` repeat, see ``params``; ``span``: the largest
-        block's tiles ``(Mb, Nb)``, which picks the kernel's step, ``running``)."""
+        block's tiles ``(Mb, Nb)``, which picks the kernel's step, ``running``; ``grid``:
+        the CTAs for each step, ``_widths``)."""
         W = self.W
         run = self.running(span)
         kernel, nt = self.kernel(run)
+        width = grid[0] if run else grid[1]
         prm = self.params(nblk, nsteps, flags, period)
         if SIM:
             dsc = desc[first * DESC:]
@@ -284,7 +286,7 @@ class _DeviceSolve:
                    a(self.T if self.T is not None else W))
         quant_grid = (a(self.S), a(self.Z if self.Z is not None else self.S))
         args = _kernel_order(problem, buffers, quant_grid, (dsc, prm))
-        grid = max(1, min(grid, self.max_grid(run)))
+        ctas = max(1, min(width, self.max_grid(run)))
         self.launches += 1
         if SIM:
             kernel[1, nt](*args)
@@ -294,7 +296,7 @@ class _DeviceSolve:
             if LAUNCH == "ptr":
                 kern = next(iter(kernel.overloads.values()))
                 try:
-                    kern.launch(args, (grid, 1, 1), (nt, 1, 1), self.nstream, 0)
+                    kern.launch(args, (ctas, 1, 1), (nt, 1, 1), self.nstream, 0)
                 except Exception as exc:  # pointer launch unsupported here: wrap arrays
                     if self.launches > 1:
                         raise
@@ -304,7 +306,7 @@ class _DeviceSolve:
                     return self.launch(desc, first, nblk, nsteps, grid, flags, F, Yg, period,
                                        span)
             else:
-                kernel[grid, nt, self.nstream](*args)
+                kernel[ctas, nt, self.nstream](*args)
 
     # -- tables: planned once per shape, uploaded once, cached --------------------------
     def device_table(self, table: np.ndarray):
@@ -499,10 +501,15 @@ def _cached(key, build):
     return hit
 
 
-def _width(shape) -> int:
-    """The most CTAs a launch can use per block of ``shape`` tiles: step 0 visits every tile
-    (``_cuda_kernels._step_shape``); the launch is capped at the cooperative limit."""
-    return int(shape[0]) * int(shape[1])
+def _widths(shapes, two: bool, copies: int = 1) -> tuple:
+    """The CTAs a launch over blocks of ``shapes`` tiles (each ``copies`` times) can use,
+    ``(running sums, whole sums)``: every tile at step 0 of running sums
+    (``_cuda_kernels._step_shape``), the longest anti-diagonal otherwise. The launch is
+    capped at the cooperative limit; CTAs beyond the work only add to every grid
+    synchronisation."""
+    shapes = list(shapes)
+    return (copies * sum(int(a) * int(b) for a, b in shapes),
+            copies * sum(step_width(int(a), int(b), two) for a, b in shapes))
 
 
 def _key(r: _DeviceSolve, method: str, base: int):
@@ -519,7 +526,8 @@ def _antidiagonal(r: _DeviceSolve) -> None:
         np.array(block_row(0, p.M, 0, p.N, 0, p.n), dtype=np.int64)))
     r.E = mod.empty((p.m, p.n), dtype=p.W.dtype)
     Y = mod.empty((p.m, p.n), dtype=p.W.dtype)  # the local accumulator G_O^T Ẽ
-    r.launch(desc, 0, 1, step_count(p.M, p.N, two), p.M * p.N, 0, Y, span=(p.M, p.N))
+    r.launch(desc, 0, 1, step_count(p.M, p.N, two), _widths([(p.M, p.N)], two), 0, Y,
+             span=(p.M, p.N))
 
 
 class _WavePlan:
@@ -580,7 +588,7 @@ class _WavePlan:
                     after.append(plan_gemm(True, False, Rg, w, h, 1.0,
                                            ("AO", m), ("E", n), ("Yg", n), ent))
             nsteps = max(step_count(*b.shape, two) for b in step.blocks)
-            grid = sum(_width(b.shape) for b in step.blocks)
+            grid = _widths((b.shape for b in step.blocks), two)
             span = (max(b.shape[0] for b in step.blocks), max(b.shape[1] for b in step.blocks))
             steps.append((start, len(step.blocks), nsteps, grid, flags, before, after, span))
         self.steps = steps
@@ -662,7 +670,7 @@ def _recursive(r: _DeviceSolve, base: int) -> None:
                 desc_rows.append(block_row(b.ra, b.rb, b.ca, b.cb, R[b.ra] * n + C[b.ca], n))
             program.append((kind, (start, len(what),
                                    max(step_count(*b.shape, two) for b in what),
-                                   sum(_width(b.shape) for b in what),
+                                   _widths((b.shape for b in what), two),
                                    (max(b.shape[0] for b in what),
                                     max(b.shape[1] for b in what)))))
         return program, r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1))
@@ -835,7 +843,8 @@ def _stack_antidiagonal(r: _StackSolve) -> str:
     r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
     Y = mod.empty((r.nb * mn,), dtype=p.W.dtype)  # each item's local accumulator G_O^T Ẽ
     nsteps = step_count(p.M, p.N, two)
-    r.launch(desc, 0, r.nb, nsteps, r.nb * p.M * p.N, 0, Y, period=1, span=(p.M, p.N))
+    r.launch(desc, 0, r.nb, nsteps, _widths([(p.M, p.N)], two, r.nb), 0, Y, period=1,
+             span=(p.M, p.N))
     return (f"one launch for {r.nb} items: {nsteps} grid-synchronised tile steps, each over "
             f"the tiles of every item")
 
@@ -855,7 +864,8 @@ class _StackWavePlan:
         desc, steps, first = [], [], 0
         for start, k, nsteps, grid, flags, before, after, span in plan.steps:
             desc.append(r.blocks(plan.desc_rows[start:start + k], fb))
-            steps.append((first, k * nb, nsteps, grid * nb, flags, before, after, k, span))
+            steps.append((first, k * nb, nsteps, (grid[0] * nb, grid[1] * nb), flags, before,
+                          after, k, span))
             first += k * nb
         self.steps = steps
         self.ops = []
