@@ -367,8 +367,8 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                 nch = npull
                 if ntgt > nch:
                     nch = ntgt
-                # the tile's running sums: the pull (kept in E until the tile is rounded)
-                # and the offsets plus the target terms (kept where F is)
+                # the tile's sums: the pull and the offsets plus the target terms (running
+                # sums keep them in E and where F is until the tile is rounded)
                 for e in range(NE):
                     el = tid + e * NT
                     vp = zero
