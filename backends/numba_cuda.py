@@ -193,6 +193,9 @@ class _DeviceSolve:
         """Whether a launch whose largest block has ``span = (Mb, Nb)`` tiles uses the step
         of running sums (``STEP``; ``auto``: when a tile's sums would need more than one
         chunk of the other step, docs/engines.md, "The GPU tile step")."""
+        if STEP not in ("auto", "running", "chain"):
+            raise ValueError(f"BAKRON_CUDA_STEP (numba_cuda.STEP) must be 'auto', 'running' or "
+                             f"'chain', got {STEP!r}")
         if STEP != "auto":
             return STEP == "running"
         p = self.p

@@ -116,6 +116,16 @@ def step(request, monkeypatch):
 
 
 @sim_only
+def test_sim_step_option_is_checked(monkeypatch):
+    """An unknown ``BAKRON_CUDA_STEP`` is a named error, not a silent choice of step."""
+    from bakron.backends import numba_cuda
+    monkeypatch.setattr(numba_cuda, "STEP", "fast")
+    W, AO, AI, q = _problem(0, 8, 6, 2, 2)
+    with pytest.raises(ValueError, match="BAKRON_CUDA_STEP .* must be 'auto', 'running' or"):
+        bakron.solve(W, AO, AI, q, tile=2, method="antidiagonal", engine="cuda")
+
+
+@sim_only
 @pytest.mark.parametrize("two", [True, False])
 def test_sim_step_items_are_the_tiles_that_receive(two):
     """The kernel's item enumeration (``_step_shape``, ``_item_tile``) against its definition:
