@@ -140,15 +140,21 @@ def all_finite(xp, x) -> bool:
         lambda r0, r1: xp.all(xp.isfinite(x[r0:r1, ...])), strips))))
 
 
-def check_finite(xp, x, name: str, count=None):
-    """No NaN or Inf in ``x``. ``count``: a compiled counter of non-finite entries
-    (``numba_cpu.count_nonfinite``; it returns ``None`` for arrays it does not take), used
-    instead of the array-API pass when given."""
+def nonfinite(xp, x, count=None) -> int:
+    """The number of NaN and Inf entries of ``x`` (0 after one pass when there are none).
+    ``count``: a compiled counter (``numba_cpu.count_nonfinite``; it returns ``None`` for
+    arrays it does not take), used instead of the array-API passes when given."""
     bad = None if count is None else count(x)
-    if bad is None:
-        if all_finite(xp, x):
-            return x
-        bad = int(xp.sum(xp.astype(~xp.isfinite(x), xp.int64)))
+    if bad is not None:
+        return bad
+    if all_finite(xp, x):
+        return 0
+    return int(xp.sum(xp.astype(~xp.isfinite(x), xp.int64)))
+
+
+def check_finite(xp, x, name: str, count=None):
+    """No NaN or Inf in ``x``. ``count``: as in :func:`nonfinite`."""
+    bad = nonfinite(xp, x, count)
     if bad:
         raise ValueError(f"{name} contains {bad} NaN or Inf entr{'y' if bad == 1 else 'ies'}")
     return x
@@ -371,9 +377,8 @@ def check_quantizer_output(quantizer, targets, out, *, full: bool = True):
 
 def check_result_finite(xp, values, quantizer, count=None) -> None:
     """The rounded weights must be finite (a quantizer or an engine produced NaN or Inf).
-    ``count``: as in :func:`check_finite`."""
-    bad = None if count is None else count(values)
-    if (not all_finite(xp, values)) if bad is None else bad:
+    ``count``: as in :func:`nonfinite`."""
+    if nonfinite(xp, values, count):
         raise ValueError(f"the rounding produced NaN or Inf values: the quantizer "
                          f"{type(quantizer).__name__} returned non-finite values (check its "
                          f"scales in W's dtype)")
