@@ -85,25 +85,22 @@ def _step_shape(Mb, Nb, g, two, run):
         s = Mb + Nb - 2 - g
         if s < 0:
             return 0, s, 0, 0, 0
-        a_lo = s + 2 - Nb
-        if a_lo < 0:
-            a_lo = 0
+        a_hi = s
+        if a_hi > Mb - 1:
+            a_hi = Mb - 1
         if not run:
             a_lo = s - Nb + 1
             if a_lo < 0:
                 a_lo = 0
-            a_hi = s
-            if a_hi > Mb - 1:
-                a_hi = Mb - 1
             return a_hi - a_lo + 1, s, 0, a_lo, 0
         if g == 0:
             return Mb * Nb, s, -1, 0, 0
+        a_lo = s + 2 - Nb
+        if a_lo < 0:
+            a_lo = 0
         b_lo = s + 2 - Mb
         if b_lo < 0:
             b_lo = 0
-        a_hi = s
-        if a_hi > Mb - 1:
-            a_hi = Mb - 1
         rows = a_hi - a_lo + 1
         # rows a_hi, a_hi - 1, ..., a_lo hold k0, k0 + 1, ... items (k0 = s - a_hi + 1)
         k0 = s - a_hi + 1
