@@ -104,6 +104,12 @@ _PARAMS: dict = {}   # launch descriptors on the device, oldest first
 _PARAMS_MAX = 4096
 
 
+def grid_key(dtname: str, tx: int, ty: int, items: bool, running: bool, dev: int) -> tuple:
+    """The key of a kernel variant's cooperative grid size in ``_MAXGRID`` (filled on its first
+    launch; the GPU benchmark reports it)."""
+    return (dtname, tx, ty, LAUNCH, MAXREG, bool(items), bool(running), dev)
+
+
 def _cuda():
     from numba import cuda
     return cuda
@@ -216,7 +222,7 @@ class _DeviceSolve:
     def max_grid(self, running: bool) -> int:
         if SIM:
             return 1
-        key = (self.dtname, self.p.tx, self.p.ty, LAUNCH, MAXREG, self.items, running, self.dev)
+        key = grid_key(self.dtname, self.p.tx, self.p.ty, self.items, running, self.dev)
         g = _MAXGRID.get(key)
         if g is None:
             cuda = _cuda()

@@ -435,8 +435,7 @@ def main(argv=None):
                                               "array" if (NC.SIM or NC.LAUNCH == "array")
                                               else "ptr", 0 if NC.SIM else NC.MAXREG)
         meta["threads"] = nt
-        meta["grid"] = NC._MAXGRID.get(("float32", 16, 16, NC.LAUNCH, NC.MAXREG, False, True, 0),
-                                      "?")
+        meta["grid"] = NC._MAXGRID.get(NC.grid_key("float32", 16, 16, False, True, 0), "?")
     except Exception:
         pass
     pytest_line = ""
