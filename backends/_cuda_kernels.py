@@ -35,9 +35,10 @@ to its ``P``, the tile right of it in its row adds ``Y[rows a, l] A_I[l, cols b]
 other sum (at most one of each per tile and step, so no two items write the same sum); the
 items on anti-diagonal ``s`` then round, the others store their sums. Step 0 visits every
 tile to start its sums (from ``F``, or 0). A step's items are independent and spread over the
-CTAs of the grid (one tile per CTA at a time, one thread per element), so a step costs the
-latency of one tile product with an inner dimension of one tile; forming the sums when the
-tile is rounded would cost a chain of up to ``base`` such products instead. After
+CTAs of the grid (one tile per CTA at a time; a thread holds one or more of its elements,
+``per_thread``), so a step costs the latency of one tile product with an inner dimension of
+one tile; forming the sums when the tile is rounded would cost a chain of up to ``base``
+such products instead. After
 rounding, a tile's ``Y`` is stored where its ``F`` was (the row contributions read it there).
 
 The rounding is the one of :meth:`bakron.UniformQuantizer.quantize`: ``round(t / s)`` half to
@@ -145,9 +146,9 @@ def _item_tile(Nb, s, rows, a_lo, b_lo, rem, two, run):
     return a_hi - j, rem - (j * k0 + j * (j - 1) // 2)
 
 
-def threads_for(tx: int, ty: int) -> int:
-    """Threads per CTA for a tx x ty tile: one per element, 32..256."""
-    e = tx * ty
+def threads_for(tx: int, ty: int, per_thread: int = 1) -> int:
+    """Threads per CTA for a tx x ty tile: one per ``per_thread`` elements, 32..256."""
+    e = math.ceil(tx * ty / per_thread)
     return int(min(256, max(32, 32 * math.ceil(e / 32))))
 
 
@@ -159,7 +160,7 @@ def chunk_for(tx: int, ty: int, itemsize: int) -> int:
 
 
 def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
-                items: bool = False, running: bool = True):
+                items: bool = False, running: bool = True, per_thread: int = 1):
     """The block kernel for ``dtype_name`` ('float32'/'float64') and a ``tx x ty`` tile.
 
     ``mode='ptr'``: compiled eagerly with raw-pointer arguments (launch with integers);
@@ -172,10 +173,11 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     running sums (each step adds the contributions of the tiles rounded at the step before,
     over all the tiles that receive one); without it a step's items are the tiles it rounds,
     each forming its whole sums in chunks of ``chunk_for`` (fewer loads per product: better
-    when a block's sums fit one chunk, docs/engines.md, "The GPU tile step"). Returns
-    ``(dispatcher, threads)``.
+    when a block's sums fit one chunk, docs/engines.md, "The GPU tile step").
+    ``per_thread``: elements of the tile per thread (``threads_for``; a CTA of fewer
+    threads, more of them resident). Returns ``(dispatcher, threads)``.
     """
-    key = (dtype_name, tx, ty, mode, maxreg, bool(items), bool(running))
+    key = (dtype_name, tx, ty, mode, maxreg, bool(items), bool(running), int(per_thread))
     ITEMS = bool(items)
     RUN = bool(running)
     hit = _CACHE.get(key)
@@ -184,7 +186,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     dt = types.float32 if dtype_name == "float32" else types.float64
     isz = 4 if dtype_name == "float32" else 8
     TX, TY = int(tx), int(ty)
-    NT = threads_for(TX, TY)
+    NT = threads_for(TX, TY, int(per_thread))
     KC = chunk_for(TX, TY, isz)
     if RUN:  # a running sum's products have an inner dimension of one tile
         KC = min(KC, max(TX, TY))

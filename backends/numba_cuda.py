@@ -50,6 +50,9 @@ Options (module attributes, or environment variables read at import):
   (faster, less accurate: Ŵ may differ from float64 in many more places). Off by default.
 * ``MAXREG`` (``BAKRON_CUDA_MAXREG``, default 128): register cap of the kernel (two CTAs of
   256 threads per SM at 128); 0 leaves it to the compiler.
+* ``PER_THREAD`` (``BAKRON_CUDA_PER_THREAD``, default 0): elements of a tile per thread of
+  the kernel (a 16 x 16 tile: 256 threads at 1, 128 at 2); 0 picks per step
+  (``per_thread``, measured in docs/benchmarks/h200.md).
 * ``LAUNCH`` (``BAKRON_CUDA_LAUNCH``, ``ptr`` or ``array``): pass raw device pointers to the
   kernel (no wrapping per launch) or wrapped 1-D arrays (``cuda.as_cuda_array``; slower).
 * ``STEP`` (``BAKRON_CUDA_STEP``, ``auto``, ``running`` or ``chain``): the kernel's tile
@@ -57,6 +60,8 @@ Options (module attributes, or environment variables read at import):
   contributions of the tiles rounded at the step before), or each tile's whole sums formed
   when it rounds; ``auto`` takes running sums when a block's sums need more than one
   K-chunk (blocks of more than 5 tiles of 16).
+* ``STACK_BASE`` (``BAKRON_CUDA_STACK_BASE``, default 4): the coarse block of a stack's
+  wavefront when ``base`` is not given (below).
 * ``STACK`` (``BAKRON_CUDA_STACK``, default 1): the stack hook ``solve_stack`` (every launch
   and GEMM covers all items of a stack chunk, docs/stacks.md); 0 declines every stack, so
   the stack layer solves the items one by one (what the benchmark compares against).
@@ -82,9 +87,24 @@ from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_E_OF
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 TF32 = os.environ.get("BAKRON_CUDA_TF32", "0") == "1"
-MAXREG = int(os.environ.get("BAKRON_CUDA_MAXREG", "128"))
+
+
+def _int_option(name: str, default: int, low: int) -> int:
+    """An integer option from the environment variable ``name``; a named error otherwise."""
+    raw = os.environ.get(name, str(default))
+    try:
+        v = int(raw)
+    except ValueError:
+        v = low - 1
+    if v < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {raw!r}")
+    return v
+
+
+MAXREG = _int_option("BAKRON_CUDA_MAXREG", 128, 0)
 STACK = os.environ.get("BAKRON_CUDA_STACK", "1") == "1"
 STEP = os.environ.get("BAKRON_CUDA_STEP", "auto")
+PER_THREAD = os.environ.get("BAKRON_CUDA_PER_THREAD", "0")
 LAUNCH = os.environ.get("BAKRON_CUDA_LAUNCH", "array" if SIM else "ptr")
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
@@ -92,8 +112,9 @@ LAUNCH = os.environ.get("BAKRON_CUDA_LAUNCH", "array" if SIM else "ptr")
 DEFAULT_BASE = 16
 
 NAME = "cuda"
-#: cupy arrays (numpy ones under the simulator); the kernel holds one tile per CTA, one
-#: thread per element, so tiles have at most 1024 elements and 64 a side
+#: cupy arrays (numpy ones under the simulator); the kernel holds one tile per CTA of at most
+#: 256 threads, each with a few of its elements, so tiles have at most 1024 elements and 64
+#: a side
 CAPABILITIES = Capabilities(methods=("antidiagonal", "wavefront", "recursive"),
                             namespaces=("numpy",) if SIM else ("cupy",),
                             quantizers=UNIFORM_FUSED, max_tile=(64, 64, 1024))
@@ -104,10 +125,37 @@ _PARAMS: dict = {}   # launch descriptors on the device, oldest first
 _PARAMS_MAX = 4096
 
 
+def per_thread(running: bool) -> int:
+    """Elements of a tile per thread of the kernel: ``PER_THREAD``, or when it is 0, 2 for
+    the running-sum step and 1 for the other (measured on the H200: a 4096² wavefront
+    with CTAs of 128 threads, twice as many resident, took 11 % less time,
+    docs/benchmarks/h200.md)."""
+    try:
+        v = int(PER_THREAD)
+    except (TypeError, ValueError):
+        v = -1
+    if v < 0:
+        raise ValueError(f"BAKRON_CUDA_PER_THREAD (numba_cuda.PER_THREAD) must be a "
+                         f"non-negative integer, got {PER_THREAD!r}")
+    if v:
+        return v
+    return 2 if running else 1
+
+
+def kernel_variant(dtname: str, tx: int, ty: int, items: bool, running: bool):
+    """``(dispatcher, threads)`` of the kernel for a dtype, tile and step under the module's
+    options (``LAUNCH``, ``MAXREG``, ``PER_THREAD``); compiled once and cached."""
+    return _kernels().make_kernel(dtname, tx, ty,
+                                  "array" if (SIM or LAUNCH == "array") else "ptr",
+                                  0 if SIM else MAXREG, items=items, running=running,
+                                  per_thread=per_thread(running))
+
+
 def grid_key(dtname: str, tx: int, ty: int, items: bool, running: bool, dev: int) -> tuple:
     """The key of a kernel variant's cooperative grid size in ``_MAXGRID`` (filled on its first
     launch; the GPU benchmark reports it)."""
-    return (dtname, tx, ty, LAUNCH, MAXREG, bool(items), bool(running), dev)
+    return (dtname, tx, ty, LAUNCH, MAXREG, bool(items), bool(running), per_thread(running),
+            dev)
 
 
 def _cuda():
@@ -214,9 +262,8 @@ class _DeviceSolve:
         hit = self._kernels.get(running)
         if hit is None:
             p = self.p
-            hit = self._kernels[running] = _kernels().make_kernel(
-                self.dtname, p.tx, p.ty, "array" if (SIM or LAUNCH == "array") else "ptr",
-                0 if SIM else MAXREG, items=self.items, running=running)
+            hit = self._kernels[running] = kernel_variant(self.dtname, p.tx, p.ty,
+                                                          self.items, running)
         return hit
 
     def max_grid(self, running: bool) -> int:
@@ -773,9 +820,23 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
 #: 768x2048, 64 x 256²; docs/benchmarks/h200.md, "Stacks"): the wavefront was as fast as or
 #: faster than the one-launch anti-diagonal at every size (1.7x at 1024²), and base 4 the
 #: fastest of 2, 4, 8, 16 on all three. Matrices of at most 4 tiles take the anti-diagonal.
-STACK_BASE = 4
+STACK_BASE = _int_option("BAKRON_CUDA_STACK_BASE", 4, 1)
+#: ... for items of fewer than ``STACK_LARGE`` tiles a side; larger items take the single
+#: layer's ``DEFAULT_BASE``. Measured on the H200 (float32, tile 16): base 4 against 16 for
+#: 64 x 1024² 26.7 against 36.0 ms, for 128 x 768x2048 80.3 against 110.6 ms; for the stacks
+#: of a Llama-3-8B block (2 x 4096², 2 x 1024x4096, 2 x 14336x4096, 1 x 4096x14336) 348 ms
+#: of solves with base 4 against 292 ms with 16 (docs/stacks.md)
+STACK_LARGE = 256
 #: ... and when the stack has at least this many items (one item: the single-layer rule)
 STACK_MIN_ITEMS = 2
+
+
+def stack_base(p) -> int:
+    """The coarse block of a stack's wavefront when ``base`` is not given (``p``: the first
+    item's ``Problem``): ``STACK_BASE``, or ``DEFAULT_BASE`` for items with a side of
+    ``STACK_LARGE`` tiles or more (where one item's blocks already fill the GPU and fewer,
+    larger GEMMs pay)."""
+    return DEFAULT_BASE if max(p.M, p.N) >= STACK_LARGE else STACK_BASE
 
 
 class _StackSolve(_DeviceSolve):
@@ -994,7 +1055,7 @@ def solve_stack(chunk):
     if method == "antidiagonal":
         ran = _stack_antidiagonal(r)
     else:
-        base = max(1, int(STACK_BASE if chunk.base is None else chunk.base))
+        base = max(1, int(stack_base(p) if chunk.base is None else chunk.base))
         ran = _stack_wavefront(r, base)
     return [{"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms, "method": method,
              "base": base,
@@ -1011,9 +1072,7 @@ def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:
     for dt in dtypes:
         for tx, ty in tiles:
             for running in (True, False):
-                _kernels().make_kernel(dt, tx, ty,
-                                       "array" if (SIM or LAUNCH == "array") else "ptr",
-                                       0 if SIM else MAXREG, running=running)
+                kernel_variant(dt, tx, ty, False, running)
 
 
 def auto_method(p, base: int) -> str:

@@ -126,6 +126,52 @@ def test_sim_step_option_is_checked(monkeypatch):
 
 
 @sim_only
+def test_sim_per_thread_option_is_checked(monkeypatch):
+    """A bad ``BAKRON_CUDA_PER_THREAD`` is a named error; 0 picks 2 elements per thread for
+    running sums and 1 for whole sums."""
+    from bakron.backends import numba_cuda
+    assert (numba_cuda.per_thread(True), numba_cuda.per_thread(False)) == (2, 1)
+    W, AO, AI, q = _problem(0, 8, 6, 2, 2)
+    for bad in ("-1", "two"):
+        monkeypatch.setattr(numba_cuda, "PER_THREAD", bad)
+        with pytest.raises(ValueError, match="BAKRON_CUDA_PER_THREAD .* must be a non-negative"):
+            bakron.solve(W, AO, AI, q, tile=2, method="antidiagonal", engine="cuda")
+
+
+@sim_only
+@pytest.mark.parametrize("name,low", [("BAKRON_CUDA_MAXREG", 0), ("BAKRON_CUDA_STACK_BASE", 1)])
+def test_sim_integer_options_are_checked(monkeypatch, name, low):
+    """The engine's integer options read at import: a value that is not an integer, or is
+    too small, is an error naming the variable."""
+    from bakron.backends import numba_cuda
+    monkeypatch.setenv(name, "12")
+    assert numba_cuda._int_option(name, 4, low) == 12
+    monkeypatch.delenv(name)
+    assert numba_cuda._int_option(name, 4, low) == 4
+    for bad in ("x", str(low - 1)):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= {low}"):
+            numba_cuda._int_option(name, 4, low)
+
+
+@sim_only
+@pytest.mark.parametrize("step_name,per", [("running", 1), ("running", 4), ("chain", 2)])
+def test_sim_elements_per_thread_keep_results_exact(ref_case, monkeypatch, step_name, per):
+    """Fewer threads per tile (each holding ``per`` of its elements) give the reference
+    case's result exactly, for both steps (the defaults, 2 and 1, run in the tests above)."""
+    from bakron.backends import _cuda_kernels, numba_cuda
+    monkeypatch.setattr(numba_cuda, "STEP", step_name)
+    monkeypatch.setattr(numba_cuda, "PER_THREAD", str(per))
+    assert numba_cuda.kernel_variant("float64", 16, 16, False, step_name == "running")[1] == \
+        _cuda_kernels.threads_for(16, 16, per) == 256 // per
+    path = [p for p in REFERENCE_CASES if p.endswith("pub_48x80_t16_b4.npz")][0]
+    d = ref_case(path)
+    q = bakron.UniformQuantizer(int(d["bits"]), float(d["scale"]))
+    r = _cuda(d["W"], d["L_out"], d["L_in"], q, (16, 16), "antidiagonal", None)
+    np.testing.assert_array_equal(r.values, d["hatW"])
+
+
+@sim_only
 @pytest.mark.parametrize("two", [True, False])
 def test_sim_step_items_are_the_tiles_that_receive(two):
     """The kernel's item enumeration (``_step_shape``, ``_item_tile``) against its definition:
@@ -506,6 +552,26 @@ def test_sim_stack_wavefront_batched_gemms(two_sided, base):
 
 
 @sim_only
+def test_sim_stack_base_follows_item_size(monkeypatch):
+    """``base=None`` on a stack: ``STACK_BASE`` tiles for items below ``STACK_LARGE`` tiles a
+    side, the single layer's ``DEFAULT_BASE`` from there on (lowered here so that a small
+    stack crosses it); the items still equal their single solves."""
+    from bakron.backends import numba_cuda as nc
+    assert nc.stack_base(_ns(M=255, N=255)) == nc.STACK_BASE
+    assert nc.stack_base(_ns(M=8, N=256)) == nc.stack_base(_ns(M=256, N=8)) == nc.DEFAULT_BASE
+    W, AO, AI, qs = _stack(8, 2, 9, 7, 2, 3)  # 5 x 3 tiles
+    monkeypatch.setattr(nc, "STACK_LARGE", 5)
+    monkeypatch.setattr(nc, "DEFAULT_BASE", 2)
+    res = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="wavefront")
+    assert res.info["stack"]["path"] == "engine solve_stack" and res.info["base"] == 2
+    monkeypatch.setattr(nc, "STACK_LARGE", 6)
+    res6 = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="wavefront")
+    assert res6.info["base"] == nc.STACK_BASE
+    _check_items(res, W, AO, AI, qs, (2, 3))
+    np.testing.assert_array_equal(res.values, res6.values)
+
+
+@sim_only
 def test_sim_stack_option_off_declines(monkeypatch):
     """``STACK = False`` (``BAKRON_CUDA_STACK=0``): every stack runs item by item."""
     from bakron.backends import numba_cuda as nc
@@ -596,7 +662,7 @@ def test_gpu_stack_wavefront_equals_items_float64(two_sided, base):
     res = bakron.solve(Wd, AOd, AId, qs, tile=16, engine="cuda", method="wavefront",
                        base=base)
     assert res.info["stack"]["path"] == "engine solve_stack"
-    assert res.info["base"] == (nc.STACK_BASE if base is None else base)
+    assert res.info["base"] == (nc.STACK_BASE if base is None else base)  # 10 x 6 tiles
     got, codes = cp.asnumpy(res.values), cp.asnumpy(res.codes)
     for i in range(5):
         # base=None: the stack's coarse blocks are STACK_BASE tiles (the single-layer rule

@@ -431,9 +431,7 @@ def main(argv=None):
         (pathlib.Path(a.out) / f"{a.name}.partial.json").write_text(
             json.dumps(results, indent=1, default=str))
     try:
-        kern, nt = NC._kernels().make_kernel("float32", 16, 16,
-                                              "array" if (NC.SIM or NC.LAUNCH == "array")
-                                              else "ptr", 0 if NC.SIM else NC.MAXREG)
+        kern, nt = NC.kernel_variant("float32", 16, 16, False, True)
         meta["threads"] = nt
         meta["grid"] = NC._MAXGRID.get(NC.grid_key("float32", 16, 16, False, True, 0), "?")
     except Exception:
