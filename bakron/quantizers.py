@@ -257,27 +257,36 @@ class UniformQuantizer:
         check_array_kind(W, "W")
         if "complex" in str(getattr(W, "dtype", "")):
             raise TypeError(f"W has the complex dtype {W.dtype}; it must be real")
-        Wn = np.asarray(_xp.to_numpy(W), dtype=np.float64)
-        if Wn.ndim != 2:
-            raise ValueError(f"W must be a 2-D array, got shape {Wn.shape}")
-        m, n = Wn.shape
-        if granularity == "tensor":
-            parts = [Wn.reshape(1, 1, -1)]
-        elif granularity == "row":
-            parts = [Wn.reshape(m, 1, n)]
-        elif granularity == "group":
-            if group_size is None or group_size < 1:
-                raise ValueError("granularity='group' needs a positive group_size")
-            parts = [Wn[:, j:j + group_size].reshape(m, 1, -1) for j in range(0, n, group_size)]
-        else:
+        Wh = _xp.to_numpy(W)
+        if Wh.ndim != 2:
+            raise ValueError(f"W must be a 2-D array, got shape {Wh.shape}")
+        if granularity not in ("tensor", "row", "group"):
             raise ValueError(f"granularity must be 'tensor', 'row' or 'group', got {granularity!r}")
+        if granularity == "group" and (group_size is None or group_size < 1):
+            raise ValueError("granularity='group' needs a positive group_size")
+        m, n = Wh.shape
+        # rows are fitted independently: row and group grids go through W in chunks of rows
+        # (float64 copies that stay in cache; the same per-row reductions, so the same scales)
+        step = max(m, 1) if granularity == "tensor" else max(1, _FIT_CHUNK // max(n, 1))
         scales, zeros = [], []
-        for p in parts:
-            s, z = _fit_block(p, bits, symmetric, method)
-            scales.append(s)
-            zeros.append(z)
-        scale = np.concatenate(scales, axis=1)
-        zero = np.concatenate(zeros, axis=1) if not symmetric else None
+        for i in range(0, max(m, 1), step):
+            Wn = np.asarray(Wh[i:i + step], dtype=np.float64)
+            r = Wn.shape[0]
+            if granularity == "tensor":
+                parts = [Wn.reshape(1, 1, -1)]
+            elif granularity == "row":
+                parts = [Wn.reshape(r, 1, n)]
+            else:  # whole groups side by side (r, groups, group_size), then the last one
+                full = n - n % group_size
+                parts = [Wn[:, :full].reshape(r, full // group_size, group_size)]
+                if full < n:
+                    parts.append(Wn[:, full:].reshape(r, 1, n - full))
+            fits = [_fit_block(p, bits, symmetric, method) for p in parts]
+            scales.append(np.concatenate([f[0] for f in fits], axis=1))
+            if not symmetric:
+                zeros.append(np.concatenate([f[1] for f in fits], axis=1))
+        scale = np.concatenate(scales, axis=0)
+        zero = np.concatenate(zeros, axis=0) if not symmetric else None
         # a scale that underflows in W's own dtype (|W| near that dtype's smallest numbers)
         # belongs to a row that is zero for that dtype: step 1 rounds it to zero, as for a
         # zero row
@@ -299,8 +308,13 @@ class UniformQuantizer:
                    group_size=group_size if granularity == "group" else None)
 
 
+#: elements of W converted to float64 at a time by ``UniformQuantizer.fit`` (row chunks)
+_FIT_CHUNK = 1 << 18
+
+
 def _fit_block(p, bits, symmetric, method):
-    """Scale and zero point for each row of ``p`` (R, 1, k) -> (R, 1) arrays."""
+    """Scale and zero point of each row (group) of ``p``: (R, G, k) -> (R, G) arrays, each
+    reduced over its own k contiguous elements."""
     tiny = np.finfo(np.float64).tiny
     if symmetric:
         if method == "rms":

@@ -63,6 +63,63 @@ def test_fit_gives_a_working_grid(granularity, symmetric, method):
         assert np.max(np.abs(W - v)) <= 0.5 * s.max() * (1 + 1e-12) or symmetric
 
 
+def _fit_definition(x, bits, symmetric, method):
+    """Scale and zero point of one row or group ``x`` (1-D float64), from the definitions of
+    ``UniformQuantizer.fit`` (docs: RMS-scaled Gaussian step, or the covered range)."""
+    from bakron.quantizers import _GAUSS_STEP
+    tiny = np.finfo(np.float64).tiny
+    if symmetric:
+        s = (_GAUSS_STEP[bits] * np.sqrt(np.mean(x * x)) if method == "rms"
+             else np.max(np.abs(x)) / max(2 ** (bits - 1) - 1, 1))
+        return (s if s > tiny else 1.0), None
+    if method == "rms":
+        mu, sd = np.mean(x), np.std(x)
+        s = _GAUSS_STEP[bits] * sd
+        s = s if s > tiny else max(abs(mu), 1.0)
+        z = 2 ** (bits - 1) - np.round(mu / s)
+    else:
+        lo, hi = min(np.min(x), 0.0), max(np.max(x), 0.0)
+        s = (hi - lo) / (2 ** bits - 1)
+        s = s if s > tiny else 1.0
+        z = np.round(-lo / s)
+    return s, float(np.clip(z, 0, 2 ** bits - 1))
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 1 << 18])
+@pytest.mark.parametrize("seed", range(6))
+def test_fit_equals_the_definition_row_by_row(monkeypatch, chunk, seed):
+    """``fit`` goes through W in chunks of rows (``_FIT_CHUNK`` elements converted to float64
+    at a time) and reduces whole groups side by side: every scale and zero point equals the
+    definition applied to its own row or group, exactly, whatever the chunk."""
+    import bakron.quantizers as Q
+    monkeypatch.setattr(Q, "_FIT_CHUNK", chunk)
+    rng = np.random.default_rng(seed)
+    m, n = int(rng.integers(1, 40)), int(rng.integers(1, 70))
+    W = (rng.standard_normal((m, n)) * rng.uniform(0.1, 10, (m, 1))).astype(
+        [np.float32, np.float64][seed % 2])
+    W[0, :] = 0.0  # a zero row
+    bits = int(rng.integers(2, 9))
+    g = int(rng.integers(1, n + 3))
+    W64 = W.astype(np.float64)
+    for symmetric in (True, False):
+        for method in ("rms", "minmax"):
+            for gran in ("row", "group"):
+                q = bakron.UniformQuantizer.fit(W, bits, symmetric=symmetric, granularity=gran,
+                                                group_size=g, method=method)
+                width = n if gran == "row" else g
+                want = [[_fit_definition(W64[i, j:j + width], bits, symmetric, method)
+                         for j in range(0, n, width)] for i in range(m)]
+                scale = np.asarray(q.scale).reshape(m, -1)
+                np.testing.assert_array_equal(scale, [[w[0] for w in r] for r in want])
+                if not symmetric:
+                    np.testing.assert_array_equal(np.asarray(q.zero_point).reshape(m, -1),
+                                                  [[w[1] for w in r] for r in want])
+            q = bakron.UniformQuantizer.fit(W, bits, symmetric=symmetric, granularity="tensor",
+                                            method=method)
+            s, z = _fit_definition(W64.reshape(-1), bits, symmetric, method)
+            assert q.scale == s and (symmetric or q.zero_point == z)
+
+
 def test_fit_handles_zero_rows():
     W = np.zeros((3, 4))
     W[1] = [1.0, -2.0, 0.5, 0.0]
