@@ -251,8 +251,8 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
         zero = dt(0.0)
         for g in range(nsteps):
             # the items of this step over all blocks: the blocks repeat the tile ranges of
-            # the first ``period`` (a stack: one period per item), so count one period and
-            # multiply
+            # the first ``period`` (``numba_cuda._period``: 1 for equal blocks; a stack's
+            # items repeat one item's), so count one period and multiply
             per = 0
             for bi in range(period):
                 d = bi * DESC

@@ -568,6 +568,20 @@ def _widths(shapes, two: bool, copies: int = 1) -> tuple:
             copies * sum(step_width(int(a), int(b), two) for a, b in shapes))
 
 
+def _period(shapes) -> int:
+    """The smallest ``p`` such that the blocks' ``shapes`` (tiles) repeat every ``p`` blocks:
+    the launch's ``P_PERIOD``. The kernel counts and locates a step's items over one period
+    per item (``_cuda_kernels``), so a launch of equal blocks (a coarse step of the
+    wavefront away from a ragged edge) finds each item in O(1) instead of a scan over
+    all its blocks."""
+    shapes = [tuple(int(v) for v in s) for s in shapes]
+    k = len(shapes)
+    for p in range(1, k):
+        if k % p == 0 and all(shapes[i] == shapes[i % p] for i in range(p, k)):
+            return p
+    return max(1, k)
+
+
 def _key(r: _DeviceSolve, method: str, base: int):
     p = r.p
     return (method, base, p.m, p.n, p.tx, p.ty, p.two_sided, r.dev, SIM)
@@ -646,7 +660,8 @@ class _WavePlan:
             nsteps = max(step_count(*b.shape, two) for b in step.blocks)
             grid = _widths((b.shape for b in step.blocks), two)
             span = (max(b.shape[0] for b in step.blocks), max(b.shape[1] for b in step.blocks))
-            steps.append((start, len(step.blocks), nsteps, grid, flags, before, after, span))
+            steps.append((start, len(step.blocks), nsteps, grid, flags, before, after,
+                          _period(b.shape for b in step.blocks), span))
         self.steps = steps
         self.ops = ops
         kb = max([len(e) for e in entries] + [1])
@@ -695,10 +710,10 @@ def _wavefront(r: _DeviceSolve, cs: int) -> None:
     Fb = mod.empty((plan.fb_size,), dtype=p.W.dtype)
     r.buffers = {"Yg": Yg, "AI": r.AI, "AO": r.AO, "E": r.E, "Fb": Fb}
     ptrs = plan.offs if SIM else _pointers(r, plan, r.buffers)
-    for start, k, nsteps, grid, flags, before, after, span in plan.steps:
+    for start, k, nsteps, grid, flags, before, after, period, span in plan.steps:
         for g in before:
             r.gemm_batched(plan.ops[g], ptrs)
-        r.launch(plan.desc, start, k, nsteps, grid, flags, Fb, Yg, span=span)
+        r.launch(plan.desc, start, k, nsteps, grid, flags, Fb, Yg, period=period, span=span)
         for g in after:
             r.gemm_batched(plan.ops[g], ptrs)
 
@@ -727,6 +742,7 @@ def _recursive(r: _DeviceSolve, base: int) -> None:
             program.append((kind, (start, len(what),
                                    max(step_count(*b.shape, two) for b in what),
                                    _widths((b.shape for b in what), two),
+                                   _period(b.shape for b in what),
                                    (max(b.shape[0] for b in what),
                                     max(b.shape[1] for b in what)))))
         return program, r.device_table(np.array(desc_rows, dtype=np.int64).reshape(-1))
@@ -735,8 +751,8 @@ def _recursive(r: _DeviceSolve, base: int) -> None:
     kept: dict = {}  # after_D's X per quadrant node, until its after_BC
     for kind, what in program:
         if kind == "leaves":
-            start, k, nsteps, grid, span = what
-            r.launch(desc, start, k, nsteps, grid, HAS_F, F, span=span)
+            start, k, nsteps, grid, period, span = what
+            r.launch(desc, start, k, nsteps, grid, HAS_F, F, period=period, span=span)
         else:
             _update(r, what, E, F, kept)
 
@@ -932,10 +948,11 @@ class _StackWavePlan:
                     "AI": r.item_desc[:, DESC_AI_OFFSET], "AO": r.item_desc[:, DESC_AO_OFFSET]}
         self.fb_size = fb
         desc, steps, first = [], [], 0
-        for start, k, nsteps, grid, flags, before, after, span in plan.steps:
+        for start, k, nsteps, grid, flags, before, after, period, span in plan.steps:
             desc.append(r.blocks(plan.desc_rows[start:start + k], fb))
+            # the items repeat one item's blocks, so the item's period is the stack's
             steps.append((first, k * nb, nsteps, (grid[0] * nb, grid[1] * nb), flags, before,
-                          after, k, span))
+                          after, period, span))
             first += k * nb
         self.steps = steps
         self.ops = []

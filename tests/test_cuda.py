@@ -271,6 +271,40 @@ def test_sim_every_tile_a_leaf_with_offsets():
 
 
 @sim_only
+def test_sim_launch_period_of_equal_blocks(monkeypatch):
+    """A launch whose blocks have one shape gets period 1 (the kernel locates an item in
+    O(1)); blocks that repeat a pattern get its length; results stay those of the CPU path,
+    ragged edges (no period) included."""
+    from bakron.backends import numba_cuda as nc
+    assert nc._period([(4, 4)] * 6) == 1
+    assert nc._period([(4, 4), (4, 2)] * 3) == 2
+    assert nc._period([(4, 4), (4, 4), (4, 2)]) == 3
+    assert nc._period([(4, 4), (4, 2), (4, 4), (4, 4)]) == 4
+    assert nc._period([]) == 1
+    seen = []
+    params = nc._DeviceSolve.params
+
+    def spy(self, nblk, nsteps, flags, period=0):
+        seen.append((nblk, period))
+        return params(self, nblk, nsteps, flags, period)
+    monkeypatch.setattr(nc._DeviceSolve, "params", spy)
+    for m, n in ((16, 16), (14, 16)):  # 8 x 8 tiles: equal blocks; 7 x 8: a ragged edge
+        W, AO, AI, q = _problem(5, m, n, 2, 2)
+        ref = _ref(W, AO, AI, q, (2, 2))
+        for method in ("wavefront", "recursive"):
+            seen.clear()
+            r = _cuda(W, AO, AI, q, (2, 2), method, 2)
+            np.testing.assert_array_equal(r.values, ref.values, err_msg=f"{m} {method}")
+            np.testing.assert_array_equal(r.codes, ref.codes, err_msg=f"{m} {method}")
+            multi = [(k, per) for k, per in seen if k > 1]
+            assert multi, seen
+            if m == 16:
+                assert all(per == 1 for k, per in multi), seen
+            else:
+                assert any(per == k for k, per in multi), seen
+
+
+@sim_only
 def test_sim_float32_agrees_up_to_near_ties():
     W, AO, AI, q = _problem(11, 12, 12, 3, 3)
     W32, AO32, AI32 = (x.astype(np.float32) for x in (W, AO, AI))
