@@ -12,8 +12,8 @@ once per setting. Per size: the median solver time of 11 float32/float64 two-sid
 checksum of Ŵ (equal checksums across settings: same results). ``--stacks`` adds the stacks
 64 × 1024² and 128 × 768×2048 of ``bakron.benchmarks.stack.make_stack`` (medians of 3);
 ``--shapes 2x4096x4096,...`` stacks of B items made on the GPU (one factor pair per shape,
-W per item), ``--base`` passes a coarse block to those stack solves (default: the engine's
-rule). Needs cupy and a CUDA device.
+W per item), ``--base`` passes a coarse block to every solve, single layers and stacks
+(default: the engine's rules, ``auto_base`` and ``stack_base``). Needs cupy and a CUDA device.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("sizes", help="e.g. 1024x1024,4096x11008 ('' for none)")
     ap.add_argument("--stacks", action="store_true")
     ap.add_argument("--shapes", default="", help="stacks BxMxN made on the GPU")
-    ap.add_argument("--base", type=int, default=None, help="coarse block of the stacks")
+    ap.add_argument("--base", type=int, default=None, help="coarse block of every solve")
     a = ap.parse_args(argv)
     import cupy as cp
 
@@ -35,13 +35,14 @@ def main(argv=None) -> int:
     from bakron.benchmarks.gpu import Env, make_problem, solve_cuda, timeit
     env = Env()
     tag = (f"{a.dtype} maxreg={NC.MAXREG} per_thread={NC.PER_THREAD} step={NC.STEP} "
-           f"stack_base={NC.STACK_BASE}")
+           f"stack_base={NC.STACK_BASE} base={a.base}")
     for sz in filter(None, a.sizes.split(",")):
         m, n = map(int, sz.split("x"))
         W, AO, AI, q = make_problem(env, m, n, 16, 1)
         W, AO, AI = (x.astype(a.dtype) for x in (W, AO, AI))
-        t, _ = timeit(env, lambda: solve_cuda(W, AO, AI, q, "wavefront").seconds, 11)
-        r = solve_cuda(W, AO, AI, q, "wavefront")
+        t, _ = timeit(env, lambda: solve_cuda(W, AO, AI, q, "wavefront", a.base).seconds,
+                      11)
+        r = solve_cuda(W, AO, AI, q, "wavefront", a.base)
         G_out = AO + cp.eye(m, dtype=a.dtype)
         G_in = AI + cp.eye(n, dtype=a.dtype)
         fl, _ = timeit(env, lambda: G_out.T @ W @ G_in, 11)
