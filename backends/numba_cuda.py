@@ -89,16 +89,20 @@ SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 TF32 = os.environ.get("BAKRON_CUDA_TF32", "0") == "1"
 
 
-def _int_option(name: str, default: int, low: int) -> int:
-    """An integer option from the environment variable ``name``; a named error otherwise."""
-    raw = os.environ.get(name, str(default))
+def _check_int(name: str, raw, low: int) -> int:
+    """``raw`` as an integer of at least ``low``; a ``ValueError`` naming ``name`` otherwise."""
     try:
         v = int(raw)
-    except ValueError:
+    except (TypeError, ValueError):
         v = low - 1
     if v < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {raw!r}")
     return v
+
+
+def _int_option(name: str, default: int, low: int) -> int:
+    """An integer option from the environment variable ``name`` (read at import)."""
+    return _check_int(name, os.environ.get(name, str(default)), low)
 
 
 MAXREG = _int_option("BAKRON_CUDA_MAXREG", 128, 0)
@@ -130,13 +134,7 @@ def per_thread(running: bool) -> int:
     the running-sum step and 1 for the other (measured on the H200: a 4096² wavefront
     with CTAs of 128 threads, twice as many resident, took 11 % less time,
     docs/benchmarks/h200.md)."""
-    try:
-        v = int(PER_THREAD)
-    except (TypeError, ValueError):
-        v = -1
-    if v < 0:
-        raise ValueError(f"BAKRON_CUDA_PER_THREAD (numba_cuda.PER_THREAD) must be a "
-                         f"non-negative integer, got {PER_THREAD!r}")
+    v = _check_int("BAKRON_CUDA_PER_THREAD (numba_cuda.PER_THREAD)", PER_THREAD, 0)
     if v:
         return v
     return 2 if running else 1

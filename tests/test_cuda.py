@@ -134,7 +134,8 @@ def test_sim_per_thread_option_is_checked(monkeypatch):
     W, AO, AI, q = _problem(0, 8, 6, 2, 2)
     for bad in ("-1", "two"):
         monkeypatch.setattr(numba_cuda, "PER_THREAD", bad)
-        with pytest.raises(ValueError, match="BAKRON_CUDA_PER_THREAD .* must be a non-negative"):
+        with pytest.raises(ValueError,
+                           match=r"BAKRON_CUDA_PER_THREAD .* must be an integer >= 0"):
             bakron.solve(W, AO, AI, q, tile=2, method="antidiagonal", engine="cuda")
 
 
