@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, types  # this module is imported lazily, by numba_cuda only
+from numba import config, cuda, types  # this module is imported lazily, by numba_cuda only
 
 from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_CA, DESC_CB,
                            DESC_E_OFFSET, DESC_F_LD, DESC_F_OFFSET, DESC_OUT_OFFSET, DESC_RA,
@@ -197,6 +197,299 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     i16 = types.int16
     RX = (KTX + NT - 1) // NT
     RY = (KTY + NT - 1) // NT
+    # the steps of an item are device functions inlined into the kernel (LLVM's
+    # alwaysinline, so that their local arrays stay in registers); the simulator runs them
+    # as Python functions
+    device = cuda.jit(device=True, **({} if config.ENABLE_CUDASIM else {"forceinline": True}))
+
+    @device
+    def item_of(w, per, period, desc, g, two, s0, rows0, a_lo0, b_lo0, m, n):
+        """Item ``w`` of step ``g``: its tile and what feeds it, the tuple ``st`` = (i0, j0,
+        hx, hy, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off, e_off, ao_off, ai_off,
+        s_off, z_off): the tile's first element and extent, where it is in ``F`` (index of its
+        first element, leading dimension), whether its sums start here (from ``F`` or 0) and
+        whether it is rounded, the rows ``k0:k1`` of the pull's source and the columns
+        ``l0:l1`` of the target terms' source, and its item's offsets."""
+        # period rep, block bi of the period, its rem-th item (s0 ...: the period's first
+        # block's step shape; with period 1, the usual case, every block has it)
+        rep = w // per
+        rem = w - rep * per
+        bi = 0
+        s = s0
+        rows = rows0
+        a_lo = a_lo0
+        b_lo = b_lo0
+        if period > 1:
+            while bi < period:
+                d = bi * DESC
+                cnt, s, rows, a_lo, b_lo = _step_shape(
+                    desc[d + DESC_RB] - desc[d + DESC_RA],
+                    desc[d + DESC_CB] - desc[d + DESC_CA], g, two, RUN)
+                if rem < cnt:
+                    break
+                rem -= cnt
+                bi += 1
+        bi += rep * period
+        d = bi * DESC
+        ra = desc[d + DESC_RA]
+        rb = desc[d + DESC_RB]
+        ca = desc[d + DESC_CA]
+        cb = desc[d + DESC_CB]
+        f_off = desc[d + DESC_F_OFFSET]
+        f_ld = desc[d + DESC_F_LD]
+        w_off = 0
+        o_off = 0
+        e_off = 0
+        ao_off = 0
+        ai_off = 0
+        s_off = 0
+        z_off = 0
+        if ITEMS:  # a compile-time constant: single solves fold the offsets to 0
+            w_off = desc[d + DESC_W_OFFSET]
+            o_off = desc[d + DESC_OUT_OFFSET]
+            e_off = desc[d + DESC_E_OFFSET]
+            ao_off = desc[d + DESC_AO_OFFSET]
+            ai_off = desc[d + DESC_AI_OFFSET]
+            s_off = desc[d + DESC_S_OFFSET]
+            z_off = desc[d + DESC_Z_OFFSET]
+        Mb = rb - ra
+        Nb = cb - ca
+        la, lb = _item_tile(Nb, s, rows, a_lo, b_lo, rem, two, RUN)
+        i0 = (ra + la) * TX
+        i1 = i0 + TX
+        if i1 > m:
+            i1 = m
+        j0 = (ca + lb) * TY
+        j1 = j0 + TY
+        if j1 > n:
+            j1 = n
+        fb = f_off + (i0 - ra * TX) * f_ld + (j0 - ca * TY)
+        # sums start from F (or 0) at step 0, and at every step without running sums
+        init = g == 0 or not RUN
+        rnd = True
+        if RUN:
+            if two:
+                rnd = la + lb == s
+            else:
+                rnd = lb == s
+        # what feeds this tile at this step. With running sums: the tiles rounded at the
+        # previous step below it in its column (two-sided: A_O^T E) and right of it in its
+        # row (Y A_I); without: everything below and right of it in the block
+        k0 = 0
+        k1 = 0
+        l0 = 0
+        l1 = 0
+        if not RUN:
+            if two:
+                k0 = i1
+                k1 = rb * TX
+                if k1 > m:
+                    k1 = m
+            l0 = j1
+            l1 = cb * TY
+            if l1 > n:
+                l1 = n
+        elif not init:
+            if two:
+                src_a = s + 1 - lb
+                if src_a < Mb:
+                    k0 = (ra + src_a) * TX
+                    k1 = k0 + TX
+                    if k1 > m:
+                        k1 = m
+                src_b = s + 1 - la
+            else:
+                src_b = s + 1
+            if src_b < Nb:
+                l0 = (ca + src_b) * TY
+                l1 = l0 + TY
+                if l1 > n:
+                    l1 = n
+        return (i0, j0, i1 - i0, j1 - j0, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off,
+                e_off, ao_off, ai_off, s_off, z_off)
+
+    @device
+    def load_sums(st, W, F, E, Yg, S, n, has_f, has_yg, s_rows, s_cols, gsz,
+                  accp, acct, pw, ps):
+        """The tile's sums so far (the pull ``accp``; ``acct``: the offsets, the target
+        terms and, for a tile rounded now, ``Yg``'s term) and, for a tile rounded now, its
+        weights ``pw`` and scales ``ps`` (running sums keep the sums in E and where F is
+        until the tile is rounded)."""
+        (i0, j0, hx, hy, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off, e_off, ao_off,
+         ai_off, s_off, z_off) = st
+        tid = cuda.threadIdx.x
+        for e in range(NE):
+            el = tid + e * NT
+            vp = dt(0.0)
+            vt = dt(0.0)
+            if el < TXY:
+                ii = el // TY
+                jj = el - ii * TY
+                if ii < hx and jj < hy:
+                    fi = fb + ii * f_ld + jj
+                    gi = (i0 + ii) * n + j0 + jj
+                    if not init:
+                        vp = E[e_off + gi]
+                        vt = F[fi]
+                    elif has_f:
+                        vt = F[fi]
+                    if rnd:  # the rounding's loads, issued with the others
+                        pw[e] = W[w_off + gi]
+                        if has_yg:
+                            vt += Yg[e_off + gi]
+                        si = 0
+                        if s_rows > 1:
+                            si = (i0 + ii) * s_cols
+                        if s_cols > 1:
+                            si += (j0 + jj) // gsz
+                        ps[e] = S[s_off + si]
+            accp[e] = vp
+            acct[e] = vt
+
+    @device
+    def load_chunk(st, c, AO, F, E, AI, m, n, pa, py, pe, pi):
+        """Chunk ``c`` of the two products' operands into registers: rows ``k0 + c KC ..``
+        of ``A_O[:, rows]`` and ``E[:, cols]``, columns ``l0 + c KC ..`` of ``Y[rows, :]``
+        and rows of ``A_I[:, cols]`` (zeros past their ends). Returns whether the chunk has
+        a pull and whether it has target terms."""
+        (i0, j0, hx, hy, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off, e_off, ao_off,
+         ai_off, s_off, z_off) = st
+        tid = cuda.threadIdx.x
+        kk0 = k0 + c * KC
+        kc = k1 - kk0
+        if kc > KC:
+            kc = KC
+        ll0 = l0 + c * KC
+        lc = l1 - ll0
+        if lc > KC:
+            lc = KC
+        for r in range(RX):
+            idx = tid + r * NT
+            va = dt(0.0)
+            vy = dt(0.0)
+            if idx < KTX:
+                kk = idx // TX
+                ii = idx - kk * TX
+                if kk < kc and ii < hx:
+                    va = AO[ao_off + (kk0 + kk) * m + i0 + ii]
+                ii2 = idx // KC
+                kk2 = idx - ii2 * KC
+                if ii2 < hx and kk2 < lc:
+                    vy = F[fb + ii2 * f_ld + (ll0 - j0) + kk2]
+            pa[r] = va
+            py[r] = vy
+        for r in range(RY):
+            idx = tid + r * NT
+            ve = dt(0.0)
+            vi = dt(0.0)
+            if idx < KTY:
+                kk = idx // TY
+                jj = idx - kk * TY
+                if jj < hy:
+                    if kk < kc:
+                        ve = E[e_off + (kk0 + kk) * n + j0 + jj]
+                    if kk < lc:
+                        vi = AI[ai_off + (ll0 + kk) * n + j0 + jj]
+            pe[r] = ve
+            pi[r] = vi
+        return kc > 0, lc > 0
+
+    @device
+    def to_shared(pa, py, pe, pi, sAO, sY, sE, sAI):
+        """The chunk's operands from registers into shared memory."""
+        tid = cuda.threadIdx.x
+        for r in range(RX):
+            idx = tid + r * NT
+            if idx < KTX:
+                kk = idx // TX
+                sAO[kk, idx - kk * TX] = pa[r]
+                ii2 = idx // KC
+                sY[ii2, idx - ii2 * KC] = py[r]
+        for r in range(RY):
+            idx = tid + r * NT
+            if idx < KTY:
+                kk = idx // TY
+                sE[kk, idx - kk * TY] = pe[r]
+                sAI[kk, idx - kk * TY] = pi[r]
+
+    @device
+    def products(pull, tgt, sAO, sE, sY, sAI, accp, acct):
+        """Add the chunk's ``A_O^T E`` to the pull and its ``Y A_I`` to the target terms."""
+        tid = cuda.threadIdx.x
+        for e in range(NE):
+            el = tid + e * NT
+            if el < TXY:
+                ii = el // TY
+                jj = el - ii * TY
+                if pull:
+                    sp = dt(0.0)
+                    for kk in range(KC):
+                        sp += sAO[kk, ii] * sE[kk, jj]
+                    accp[e] += sp
+                if tgt:
+                    st_ = dt(0.0)
+                    for kk in range(KC):
+                        st_ += sY[ii, kk] * sAI[kk, jj]
+                    acct[e] += st_
+
+    @device
+    def finish(st, accp, acct, pw, ps, F, E, Yg, Z, Wq, codes, T, n, has_yg, has_t, asym,
+               z_rows, z_cols, gsz, lo, hi):
+        """Store the tile's running sums for a later step, or round it: ``Wq``, ``codes``,
+        its errors into ``E``, ``Y = pull + E`` where its ``F`` was and, with ``Yg``, the
+        errors into the global accumulator."""
+        (i0, j0, hx, hy, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off, e_off, ao_off,
+         ai_off, s_off, z_off) = st
+        tid = cuda.threadIdx.x
+        for e in range(NE):
+            el = tid + e * NT
+            if el < TXY:
+                ii = el // TY
+                jj = el - ii * TY
+                if ii < hx and jj < hy:
+                    i = i0 + ii
+                    j = j0 + jj
+                    gi = i * n + j
+                    fi = fb + ii * f_ld + jj
+                    if not rnd:  # keep the running sums for a later step
+                        E[e_off + gi] = accp[e]
+                        F[fi] = acct[e]
+                        continue
+                    # round the tile (acct holds Yg's term too)
+                    w_ = pw[e]
+                    t = w_ + acct[e]
+                    t += accp[e]
+                    if has_t:
+                        T[o_off + gi] = t
+                    sc = ps[e]
+                    q = dt(round(t / sc))
+                    if asym:
+                        zi = 0
+                        if z_rows > 1:
+                            zi = i * z_cols
+                        if z_cols > 1:
+                            zi += j // gsz
+                        zp = Z[z_off + zi]
+                        cq = q + zp
+                        if cq < lo:
+                            cq = lo
+                        if cq > hi:
+                            cq = hi
+                        val = sc * (cq - zp)
+                    else:
+                        cq = q
+                        if cq < lo:
+                            cq = lo
+                        if cq > hi:
+                            cq = hi
+                        val = sc * cq
+                    err = w_ - val
+                    Wq[o_off + gi] = val
+                    codes[o_off + gi] = i16(cq)
+                    E[e_off + gi] = err
+                    F[fi] = accp[e] + err
+                    if has_yg:
+                        Yg[e_off + gi] += err
 
     def block_kernel(W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, prm):
         """Solve ``prm[P_NBLK]`` blocks. Arguments (flat row-major arrays):
@@ -240,7 +533,6 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
         pe = cuda.local.array(RY, dt)
         pi = cuda.local.array(RY, dt)
         grid = cuda.cg.this_grid()
-        tid = cuda.threadIdx.x
         two = (flags & TWO_SIDED) != 0
         has_f = (flags & HAS_F) != 0
         has_yg = (flags & HAS_YG) != 0
@@ -248,275 +540,51 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
         has_t = (flags & HAS_T) != 0
         lo = dt(lo_i)
         hi = dt(hi_i)
-        zero = dt(0.0)
         for g in range(nsteps):
             # the items of this step over all blocks: the blocks repeat the tile ranges of
             # the first ``period`` (``numba_cuda._period``: 1 for equal blocks; a stack's
-            # items repeat one item's), so count one period and multiply
+            # items repeat one item's), so count one period and multiply; the shape of the
+            # period's first block is kept for ``item_of``
             per = 0
+            s0 = 0
+            rows0 = 0
+            a_lo0 = 0
+            b_lo0 = 0
             for bi in range(period):
                 d = bi * DESC
                 cnt, s, rows, a_lo, b_lo = _step_shape(desc[d + DESC_RB] - desc[d + DESC_RA],
                                                        desc[d + DESC_CB] - desc[d + DESC_CA],
                                                        g, two, RUN)
+                if bi == 0:
+                    s0 = s
+                    rows0 = rows
+                    a_lo0 = a_lo
+                    b_lo0 = b_lo
                 per += cnt
             total = (nblk // period) * per
             w = cuda.blockIdx.x
             while w < total:
-                # locate item w: period rep, block bi of the period, its rem-th item
-                rep = w // per
-                rem = w - rep * per
-                bi = 0
-                s = 0
-                rows = 0
-                a_lo = 0
-                b_lo = 0
-                while bi < period:
-                    d = bi * DESC
-                    cnt, s, rows, a_lo, b_lo = _step_shape(
-                        desc[d + DESC_RB] - desc[d + DESC_RA],
-                        desc[d + DESC_CB] - desc[d + DESC_CA], g, two, RUN)
-                    if rem < cnt:
-                        break
-                    rem -= cnt
-                    bi += 1
-                bi += rep * period
-                d = bi * DESC
-                ra = desc[d + DESC_RA]
-                rb = desc[d + DESC_RB]
-                ca = desc[d + DESC_CA]
-                cb = desc[d + DESC_CB]
-                f_off = desc[d + DESC_F_OFFSET]
-                f_ld = desc[d + DESC_F_LD]
-                w_off = 0
-                o_off = 0
-                e_off = 0
-                ao_off = 0
-                ai_off = 0
-                s_off = 0
-                z_off = 0
-                if ITEMS:  # a compile-time constant: single solves fold the offsets to 0
-                    w_off = desc[d + DESC_W_OFFSET]
-                    o_off = desc[d + DESC_OUT_OFFSET]
-                    e_off = desc[d + DESC_E_OFFSET]
-                    ao_off = desc[d + DESC_AO_OFFSET]
-                    ai_off = desc[d + DESC_AI_OFFSET]
-                    s_off = desc[d + DESC_S_OFFSET]
-                    z_off = desc[d + DESC_Z_OFFSET]
-                Mb = rb - ra
-                Nb = cb - ca
-                la, lb = _item_tile(Nb, s, rows, a_lo, b_lo, rem, two, RUN)
-                a = ra + la
-                b = ca + lb
-                R0 = ra * TX
-                C0 = ca * TY
-                i0 = a * TX
-                i1 = i0 + TX
-                if i1 > m:
-                    i1 = m
-                hx = i1 - i0
-                j0 = b * TY
-                j1 = j0 + TY
-                if j1 > n:
-                    j1 = n
-                hy = j1 - j0
-                # sums start from F (or 0) at step 0, and at every step without running sums
-                init = g == 0 or not RUN
-                rnd = True
-                if RUN:
-                    if two:
-                        rnd = la + lb == s
-                    else:
-                        rnd = lb == s
-                # what feeds this tile at this step. With running sums: the tiles rounded at
-                # the previous step below it in its column (two-sided: A_O^T E) and right of
-                # it in its row (Y A_I); without: everything below and right of it in the block
-                k0 = 0
-                k1 = 0
-                l0 = 0
-                l1 = 0
-                if not RUN:
-                    if two:
-                        k0 = i1
-                        k1 = rb * TX
-                        if k1 > m:
-                            k1 = m
-                    l0 = j1
-                    l1 = cb * TY
-                    if l1 > n:
-                        l1 = n
-                elif not init:
-                    if two:
-                        src_a = s + 1 - lb
-                        if src_a < Mb:
-                            k0 = (ra + src_a) * TX
-                            k1 = k0 + TX
-                            if k1 > m:
-                                k1 = m
-                        src_b = s + 1 - la
-                    else:
-                        src_b = s + 1
-                    if src_b < Nb:
-                        l0 = (ca + src_b) * TY
-                        l1 = l0 + TY
-                        if l1 > n:
-                            l1 = n
-                npull = (k1 - k0 + KC - 1) // KC
+                st = item_of(w, per, period, desc, g, two, s0, rows0, a_lo0, b_lo0, m, n)
+                load_sums(st, W, F, E, Yg, S, n, has_f, has_yg, s_rows, s_cols, gsz,
+                          accp, acct, pw, ps)
+                k0 = st[8]
+                k1 = st[9]
+                l0 = st[10]
+                l1 = st[11]
+                nch = (k1 - k0 + KC - 1) // KC
                 ntgt = (l1 - l0 + KC - 1) // KC
-                nch = npull
                 if ntgt > nch:
                     nch = ntgt
-                # the tile's sums: the pull and the offsets plus the target terms (running
-                # sums keep them in E and where F is until the tile is rounded)
-                for e in range(NE):
-                    el = tid + e * NT
-                    vp = zero
-                    vt = zero
-                    if el < TXY:
-                        ii = el // TY
-                        jj = el - ii * TY
-                        if ii < hx and jj < hy:
-                            fi = f_off + (i0 + ii - R0) * f_ld + (j0 + jj - C0)
-                            if not init:
-                                vp = E[e_off + (i0 + ii) * n + j0 + jj]
-                                vt = F[fi]
-                            elif has_f:
-                                vt = F[fi]
-                            if rnd:  # the rounding's loads, issued with the others
-                                pw[e] = W[w_off + (i0 + ii) * n + j0 + jj]
-                                if has_yg:
-                                    vt += Yg[e_off + (i0 + ii) * n + j0 + jj]
-                                si = 0
-                                if s_rows > 1:
-                                    si = (i0 + ii) * s_cols
-                                if s_cols > 1:
-                                    si += (j0 + jj) // gsz
-                                ps[e] = S[s_off + si]
-                    accp[e] = vp
-                    acct[e] = vt
                 for c in range(nch):
-                    # issue every global load of the chunk first (registers), then store to
-                    # shared memory: the loads are in flight together instead of one by one
-                    kk0 = k0 + c * KC
-                    kc = k1 - kk0
-                    if kc > KC:
-                        kc = KC
-                    if c >= npull:
-                        kc = 0
-                    ll0 = l0 + c * KC
-                    lc = l1 - ll0
-                    if lc > KC:
-                        lc = KC
-                    if c >= ntgt:
-                        lc = 0
-                    for r in range(RX):
-                        idx = tid + r * NT
-                        va = zero
-                        vy = zero
-                        if idx < KTX:
-                            kk = idx // TX
-                            ii = idx - kk * TX
-                            if kk < kc and ii < hx:
-                                va = AO[ao_off + (kk0 + kk) * m + i0 + ii]
-                            ii2 = idx // KC
-                            kk2 = idx - ii2 * KC
-                            if ii2 < hx and kk2 < lc:
-                                vy = F[f_off + (i0 + ii2 - R0) * f_ld + (ll0 + kk2 - C0)]
-                        pa[r] = va
-                        py[r] = vy
-                    for r in range(RY):
-                        idx = tid + r * NT
-                        ve = zero
-                        vi = zero
-                        if idx < KTY:
-                            kk = idx // TY
-                            jj = idx - kk * TY
-                            if jj < hy:
-                                if kk < kc:
-                                    ve = E[e_off + (kk0 + kk) * n + j0 + jj]
-                                if kk < lc:
-                                    vi = AI[ai_off + (ll0 + kk) * n + j0 + jj]
-                        pe[r] = ve
-                        pi[r] = vi
-                    for r in range(RX):
-                        idx = tid + r * NT
-                        if idx < KTX:
-                            kk = idx // TX
-                            sAO[kk, idx - kk * TX] = pa[r]
-                            ii2 = idx // KC
-                            sY[ii2, idx - ii2 * KC] = py[r]
-                    for r in range(RY):
-                        idx = tid + r * NT
-                        if idx < KTY:
-                            kk = idx // TY
-                            sE[kk, idx - kk * TY] = pe[r]
-                            sAI[kk, idx - kk * TY] = pi[r]
+                    # every global load of the chunk first (registers), then the stores
+                    # to shared memory: the loads are in flight together
+                    pull, tgt = load_chunk(st, c, AO, F, E, AI, m, n, pa, py, pe, pi)
+                    to_shared(pa, py, pe, pi, sAO, sY, sE, sAI)
                     cuda.syncthreads()
-                    for e in range(NE):
-                        el = tid + e * NT
-                        if el < TXY:
-                            ii = el // TY
-                            jj = el - ii * TY
-                            if c < npull:
-                                sp = zero
-                                for kk in range(KC):
-                                    sp += sAO[kk, ii] * sE[kk, jj]
-                                accp[e] += sp
-                            if c < ntgt:
-                                st = zero
-                                for kk in range(KC):
-                                    st += sY[ii, kk] * sAI[kk, jj]
-                                acct[e] += st
+                    products(pull, tgt, sAO, sE, sY, sAI, accp, acct)
                     cuda.syncthreads()
-                for e in range(NE):
-                    el = tid + e * NT
-                    if el < TXY:
-                        ii = el // TY
-                        jj = el - ii * TY
-                        if ii < hx and jj < hy:
-                            i = i0 + ii
-                            j = j0 + jj
-                            gi = i * n + j
-                            fi = f_off + (i - R0) * f_ld + (j - C0)
-                            if not rnd:  # keep the running sums for a later step
-                                E[e_off + gi] = accp[e]
-                                F[fi] = acct[e]
-                                continue
-                            # round the tile (acct holds Yg's term too)
-                            w_ = pw[e]
-                            t = w_ + acct[e]
-                            t += accp[e]
-                            if has_t:
-                                T[o_off + gi] = t
-                            sc = ps[e]
-                            q = dt(round(t / sc))
-                            if asym:
-                                zi = 0
-                                if z_rows > 1:
-                                    zi = i * z_cols
-                                if z_cols > 1:
-                                    zi += j // gsz
-                                zp = Z[z_off + zi]
-                                cq = q + zp
-                                if cq < lo:
-                                    cq = lo
-                                if cq > hi:
-                                    cq = hi
-                                val = sc * (cq - zp)
-                            else:
-                                cq = q
-                                if cq < lo:
-                                    cq = lo
-                                if cq > hi:
-                                    cq = hi
-                                val = sc * cq
-                            err = w_ - val
-                            Wq[o_off + gi] = val
-                            codes[o_off + gi] = i16(cq)
-                            E[e_off + gi] = err
-                            F[fi] = accp[e] + err
-                            if has_yg:
-                                Yg[e_off + gi] += err
+                finish(st, accp, acct, pw, ps, F, E, Yg, Z, Wq, codes, T, n, has_yg,
+                       has_t, asym, z_rows, z_cols, gsz, lo, hi)
                 w += cuda.gridDim.x
             grid.sync()
 
