@@ -103,6 +103,18 @@ def _blas_thread_count(lib):
     return get, put
 
 
+def _blas_pool_stop(lib):
+    """``lib``'s ``blas_thread_shutdown_``: ends its worker threads at once (also those that
+    still spin after a multi-threaded call); the next multi-threaded call or thread-count
+    change starts them again. None if ``lib`` does not export it."""
+    try:
+        stop = lib.blas_thread_shutdown_
+    except AttributeError:
+        return None
+    stop.restype, stop.argtypes = ctypes.c_int, []
+    return stop
+
+
 def _adapter(kind):
     """A C-callable ``cblas_?gemm`` (row-major, 64-bit ints) over numba's SciPy BLAS."""
     ft, dt, code = (types.float32, np.float32, 115) if kind == "s" else \
@@ -127,6 +139,8 @@ _NUMPY_CBLAS = None if _OPENBLAS is None else _numpy_cblas(_OPENBLAS)
 #: ``(get, set)`` of the kernels' BLAS thread count when it can be set (numpy's OpenBLAS),
 #: else None (``numba_cpu._blas_on_one_thread``)
 BLAS_THREADS = None if _OPENBLAS is None else _blas_thread_count(_OPENBLAS)
+#: numpy's OpenBLAS's ``blas_thread_shutdown_`` or None (``numba_cpu._blas_on_one_thread``)
+BLAS_POOL_STOP = None if BLAS_THREADS is None else _blas_pool_stop(_OPENBLAS)
 if _NUMPY_CBLAS is not None:
     BLAS = "numpy's OpenBLAS (cblas, ILP64)"
     _llvm.add_symbol("bakron_cblas_sgemm", _NUMPY_CBLAS[0])

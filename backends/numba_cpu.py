@@ -327,7 +327,47 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
 
 
 _PIN_LOCK = threading.Lock()
-_pinned = [0, None]  # solves inside _blas_on_one_thread, BLAS's thread count before them
+#: solves inside _blas_on_one_thread, BLAS's thread count before them, whether the first one
+#: ended BLAS's workers
+_pinned = [0, None, False]
+
+
+def _alone() -> bool:
+    """This is the only Python thread but for the input checks' pool (``bakron._validate``:
+    ``bakron-check`` threads, which run numpy reductions, never BLAS), so no other thread
+    can be inside a BLAS call while BLAS's workers are ended (``_end_blas_workers``)."""
+    from bakron._validate import CHECK_THREADS
+
+    me = threading.current_thread()
+    return all(t is me or t.name.startswith(CHECK_THREADS) for t in threading.enumerate())
+
+
+def _end_blas_workers(K) -> bool:
+    """End numpy's OpenBLAS's worker threads now (``blas_thread_shutdown_``) if no other
+    thread can be inside BLAS (``_alone``); its next multi-threaded call (or thread-count
+    change) starts them again. Returns whether it did. The caller holds
+    ``_PIN_LOCK``.
+
+    Why: OpenBLAS's idle workers spin, yielding, for about 2^28 cycles after each
+    multi-threaded call (``OPENBLAS_THREAD_TIMEOUT``, read when numpy loads), and meanwhile
+    they take the cores from numba's threads: a solve right after a multi-threaded numpy
+    product ran several times slower (docs/engines.md, "Many cores")."""
+    if K.BLAS_POOL_STOP is None or not _alone():
+        return False
+    K.BLAS_POOL_STOP()
+    return True
+
+
+def quiet_blas() -> None:
+    """Before a solve's compiled checks (``bakron.solve``): end OpenBLAS's idle workers when
+    BLAS runs on several threads and no solve is inside ``_blas_on_one_thread``
+    (``_end_blas_workers``)."""
+    K = _kernels()
+    if K.BLAS_THREADS is None:
+        return
+    with _PIN_LOCK:
+        if _pinned[0] == 0 and int(K.BLAS_THREADS[0]()) > 1:
+            _end_blas_workers(K)
 
 
 @contextmanager
@@ -337,8 +377,14 @@ def _blas_on_one_thread():
     threads; yields whether it could (else the kernels split their products below
     OpenBLAS's threading threshold). The setting is process-wide: numpy products on other
     threads meanwhile run on one thread too. Nested and concurrent solves count in and out;
-    the last restores the count the first found."""
-    fns = _kernels().BLAS_THREADS
+    the last restores the count the first found.
+
+    When the count was above one, the first solve in also ends BLAS's idle workers
+    (``_end_blas_workers``). Restoring the count starts new ones, which would spin through
+    the result check and the next solve's checks, so the last one out ends them again
+    (OpenBLAS starts them once more at its next multi-threaded call)."""
+    K = _kernels()
+    fns = K.BLAS_THREADS
     if fns is None:
         yield False
         return
@@ -347,6 +393,7 @@ def _blas_on_one_thread():
         if _pinned[0] == 0:
             _pinned[1] = int(get())
             put(1)
+            _pinned[2] = _pinned[1] > 1 and _end_blas_workers(K)
         _pinned[0] += 1
     try:
         yield True
@@ -355,6 +402,8 @@ def _blas_on_one_thread():
             _pinned[0] -= 1
             if _pinned[0] == 0:
                 put(_pinned[1])
+                if _pinned[2]:
+                    _end_blas_workers(K)
 
 
 def factor_scan(A, block: int):

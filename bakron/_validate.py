@@ -99,6 +99,11 @@ _STRIP_POOL: dict = {}  # the thread pool of map_strips by process id, made on f
 _STRIP_LOCK = threading.Lock()
 
 
+#: name prefix of the threads of ``map_strips``'s pool (they never call BLAS:
+#: ``backends/numba_cpu._alone``)
+CHECK_THREADS = "bakron-check"
+
+
 def row_strips(xp, rows: int, row_size: int, align: int = 1) -> list[tuple[int, int]]:
     """``[(r0, r1), ...]`` covering ``range(rows)``: for numpy strips of about
     ``STRIP_ELEMENTS`` elements (rows of ``row_size`` elements), every strip but the last a
@@ -123,7 +128,7 @@ def map_strips(fn, strips) -> list:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
                 (os.cpu_count() or 1)
             _STRIP_POOL.clear()
-            _STRIP_POOL[pid] = ThreadPoolExecutor(max(1, cores), "bakron-check")
+            _STRIP_POOL[pid] = ThreadPoolExecutor(max(1, cores), CHECK_THREADS)
         pool = _STRIP_POOL[pid]
     return list(pool.map(lambda s: fn(*s), strips))
 

@@ -534,6 +534,72 @@ def test_blas_on_one_thread_counts_in_and_out():
         put(before)
 
 
+def test_blas_pool_stopped_only_when_alone(monkeypatch):
+    """The first solve in ends OpenBLAS's (possibly spinning) workers only when BLAS ran on
+    more than one thread and no other thread can be in BLAS (``_alone``: none but the input
+    checks' pool); products afterwards still run and are right, and the count is
+    restored."""
+    import threading
+
+    from bakron._validate import map_strips
+
+    map_strips(lambda r0, r1: r1 - r0, [(0, 1), (1, 2)])  # the checks' pool exists
+    assert nc._alone()
+    stop, started = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: (started.set(), stop.wait()), name="user")
+    other.start()
+    started.wait()
+    try:
+        assert not nc._alone()
+    finally:
+        stop.set()
+        other.join()
+
+    K = nc._kernels()
+    if K.BLAS_THREADS is None or K.BLAS_POOL_STOP is None:  # pragma: no cover - other BLAS
+        pytest.skip("numpy's OpenBLAS does not export blas_thread_shutdown_")
+    get, put = K.BLAS_THREADS
+    calls = []
+    real = K.BLAS_POOL_STOP
+
+    def spy():
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(K, "BLAS_POOL_STOP", spy)
+    monkeypatch.setattr(nc, "_alone", lambda: True)
+    before = get()
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((300, 300))
+    want = A @ A.T
+    try:
+        put(1)
+        with nc._blas_on_one_thread():
+            pass
+        assert calls == []  # BLAS was on one thread already: nothing spins
+        put(2)
+        with nc._blas_on_one_thread():
+            assert len(calls) == 1 and get() == 1
+            with nc._blas_on_one_thread():  # nested: not again
+                assert len(calls) == 1
+            np.testing.assert_allclose(A @ A.T, want, rtol=1e-12, atol=1e-12)
+            nc.quiet_blas()  # inside a solve: nothing
+            assert len(calls) == 1
+        # restoring the count started new workers; the last one out ended them again
+        assert len(calls) == 2 and get() == 2
+        np.testing.assert_allclose(A @ A.T, want, rtol=1e-12, atol=1e-12)
+        nc.quiet_blas()  # before a solve's checks
+        assert len(calls) == 3
+        np.testing.assert_allclose(A @ A.T, want, rtol=1e-12, atol=1e-12)
+        monkeypatch.setattr(nc, "_alone", lambda: False)  # another thread exists
+        with nc._blas_on_one_thread():
+            assert get() == 1
+        nc.quiet_blas()
+        assert len(calls) == 3 and get() == 2
+    finally:
+        put(before)
+
+
 def test_wavefront_table_is_the_schedule():
     """The task table is ``schedule.two_level`` in elements: every tile once, steps in order."""
     from bakron.solvers.schedule import tile_edges, two_level

@@ -143,6 +143,8 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     check_matrix(xp, W, "W")
     dtype = _xp.float_dtype(xp, W, "W")
     fast = _compiled(xp, engine)  # the numba engine's one-pass checks, or None
+    if fast is not None:
+        fast.quiet_blas()  # BLAS's spinning idle threads would slow the compiled checks
     count = getattr(fast, "count_nonfinite", None)
     check_finite(xp, W, "W", count)
     m, n = W.shape
