@@ -203,6 +203,13 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     device = cuda.jit(device=True, **({} if config.ENABLE_CUDASIM else {"forceinline": True}))
 
     @device
+    def element(e):
+        """This thread's ``e``-th element of the tile: ``(in the tile, row, column)``."""
+        el = cuda.threadIdx.x + e * NT
+        ii = el // TY
+        return el < TXY, ii, el - ii * TY
+
+    @device
     def item_of(w, per, period, desc, g, two, s0, rows0, a_lo0, b_lo0, m, n):
         """Item ``w`` of step ``g``: its tile and what feeds it, the tuple ``st`` = (i0, j0,
         hx, hy, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off, e_off, ao_off, ai_off,
@@ -317,14 +324,11 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
         until the tile is rounded)."""
         (i0, j0, hx, hy, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off, e_off, ao_off,
          ai_off, s_off, z_off) = st
-        tid = cuda.threadIdx.x
         for e in range(NE):
-            el = tid + e * NT
             vp = dt(0.0)
             vt = dt(0.0)
-            if el < TXY:
-                ii = el // TY
-                jj = el - ii * TY
+            inside, ii, jj = element(e)
+            if inside:
                 if ii < hx and jj < hy:
                     fi = fb + ii * f_ld + jj
                     gi = (i0 + ii) * n + j0 + jj
@@ -415,12 +419,9 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     @device
     def products(pull, tgt, sAO, sE, sY, sAI, accp, acct):
         """Add the chunk's ``A_O^T E`` to the pull and its ``Y A_I`` to the target terms."""
-        tid = cuda.threadIdx.x
         for e in range(NE):
-            el = tid + e * NT
-            if el < TXY:
-                ii = el // TY
-                jj = el - ii * TY
+            inside, ii, jj = element(e)
+            if inside:
                 if pull:
                     sp = dt(0.0)
                     for kk in range(KC):
@@ -440,12 +441,9 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
         errors into the global accumulator."""
         (i0, j0, hx, hy, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off, e_off, ao_off,
          ai_off, s_off, z_off) = st
-        tid = cuda.threadIdx.x
         for e in range(NE):
-            el = tid + e * NT
-            if el < TXY:
-                ii = el // TY
-                jj = el - ii * TY
+            inside, ii, jj = element(e)
+            if inside:
                 if ii < hx and jj < hy:
                     i = i0 + ii
                     j = j0 + jj
