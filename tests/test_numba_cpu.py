@@ -541,19 +541,15 @@ def test_blas_pool_stopped_only_when_alone(monkeypatch):
     restored."""
     import threading
 
-    from bakron._validate import map_strips
+    from bakron._validate import CHECK_THREADS
 
-    map_strips(lambda r0, r1: r1 - r0, [(0, 1), (1, 2)])  # the checks' pool exists
-    assert nc._alone()
-    stop, started = threading.Event(), threading.Event()
-    other = threading.Thread(target=lambda: (started.set(), stop.wait()), name="user")
-    other.start()
-    started.wait()
-    try:
-        assert not nc._alone()
-    finally:
-        stop.set()
-        other.join()
+    me = threading.current_thread()
+    checks = threading.Thread(name=f"{CHECK_THREADS}_0")  # the checks' pool: never BLAS
+    user = threading.Thread(name="user")
+    for others, alone in (([], True), ([checks], True), ([checks, user], False)):
+        monkeypatch.setattr(threading, "enumerate", lambda o=others: [me, *o])
+        assert nc._alone() is alone
+    monkeypatch.undo()
 
     K = nc._kernels()
     if K.BLAS_THREADS is None or K.BLAS_POOL_STOP is None:  # pragma: no cover - other BLAS
