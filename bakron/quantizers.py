@@ -257,34 +257,34 @@ class UniformQuantizer:
         check_array_kind(W, "W")
         if "complex" in str(getattr(W, "dtype", "")):
             raise TypeError(f"W has the complex dtype {W.dtype}; it must be real")
-        Wh = _xp.to_numpy(W)
-        if Wh.ndim != 2:
-            raise ValueError(f"W must be a 2-D array, got shape {Wh.shape}")
+        xp, Wh, chunk = _fit_source(W)
+        if len(Wh.shape) != 2:
+            raise ValueError(f"W must be a 2-D array, got shape {tuple(Wh.shape)}")
         if granularity not in ("tensor", "row", "group"):
             raise ValueError(f"granularity must be 'tensor', 'row' or 'group', got {granularity!r}")
         if granularity == "group" and (group_size is None or group_size < 1):
             raise ValueError("granularity='group' needs a positive group_size")
         m, n = Wh.shape
         # rows are fitted independently: row and group grids go through W in chunks of rows
-        # (float64 copies that stay in cache; the same per-row reductions, so the same scales)
-        step = max(m, 1) if granularity == "tensor" else max(1, _FIT_CHUNK // max(n, 1))
+        # (float64 copies; the same per-row reductions, so the same scales whatever the chunk)
+        step = max(m, 1) if granularity == "tensor" else max(1, chunk // max(n, 1))
         scales, zeros = [], []
         for i in range(0, max(m, 1), step):
-            Wn = np.asarray(Wh[i:i + step], dtype=np.float64)
+            Wn = xp.astype(xp.asarray(Wh[i:i + step, ...]), xp.float64)
             r = Wn.shape[0]
             if granularity == "tensor":
-                parts = [Wn.reshape(1, 1, -1)]
+                parts = [xp.reshape(Wn, (1, 1, -1))]
             elif granularity == "row":
-                parts = [Wn.reshape(r, 1, n)]
+                parts = [xp.reshape(Wn, (r, 1, n))]
             else:  # whole groups side by side (r, groups, group_size), then the last one
                 full = n - n % group_size
-                parts = [Wn[:, :full].reshape(r, full // group_size, group_size)]
+                parts = [xp.reshape(Wn[:, :full], (r, full // group_size, group_size))]
                 if full < n:
-                    parts.append(Wn[:, full:].reshape(r, 1, n - full))
-            fits = [_fit_block(p, bits, symmetric, method) for p in parts]
-            scales.append(np.concatenate([f[0] for f in fits], axis=1))
+                    parts.append(xp.reshape(Wn[:, full:], (r, 1, n - full)))
+            fits = [_fit_block(xp, p, bits, symmetric, method) for p in parts]
+            scales.append(np.concatenate([_xp.to_numpy(f[0]) for f in fits], axis=1))
             if not symmetric:
-                zeros.append(np.concatenate([f[1] for f in fits], axis=1))
+                zeros.append(np.concatenate([_xp.to_numpy(f[1]) for f in fits], axis=1))
         scale = np.concatenate(scales, axis=0)
         zero = np.concatenate(zeros, axis=0) if not symmetric else None
         # a scale that underflows in W's own dtype (|W| near that dtype's smallest numbers)
@@ -308,33 +308,56 @@ class UniformQuantizer:
                    group_size=group_size if granularity == "group" else None)
 
 
-#: elements of W converted to float64 at a time by ``UniformQuantizer.fit`` (row chunks)
+#: elements of W converted to float64 at a time by ``UniformQuantizer.fit`` (row chunks):
+#: on the host (a cache-sized copy), and on a device (one pass of large reductions)
 _FIT_CHUNK = 1 << 18
+_FIT_CHUNK_DEVICE = 1 << 24
 
 
-def _fit_block(p, bits, symmetric, method):
+def _fit_source(W):
+    """Where ``fit`` reduces ``W``: ``(xp, W, chunk)``. Arrays in host memory (numpy,
+    array-api-strict, other CPU arrays) are reduced by numpy in chunks of ``_FIT_CHUNK``
+    elements; arrays on a device (cupy) are reduced there, in their own namespace, in chunks
+    of ``_FIT_CHUNK_DEVICE``, so that W never crosses to the host (only the scales do)."""
+    import array_api_compat.numpy as npx
+    if not isinstance(W, np.ndarray):
+        try:
+            xp = _xp.namespace(W)
+            on_host = "cpu" in str(_xp.device(W)).lower()
+        except TypeError:
+            xp, on_host = None, True
+        if not on_host and not _xp.is_numpy(xp):
+            return xp, W, _FIT_CHUNK_DEVICE
+    return npx, _xp.to_numpy(W), _FIT_CHUNK
+
+
+def _fit_block(xp, p, bits, symmetric, method):
     """Scale and zero point of each row (group) of ``p``: (R, G, k) -> (R, G) arrays, each
-    reduced over its own k contiguous elements."""
-    tiny = np.finfo(np.float64).tiny
+    reduced over its own k contiguous elements (float64, in ``p``'s namespace)."""
+    tiny = float(np.finfo(np.float64).tiny)
+
+    def full(like, v):
+        return xp.full(like.shape, v, dtype=like.dtype, device=_xp.device(like))
+
     if symmetric:
         if method == "rms":
-            s = _GAUSS_STEP[bits] * np.sqrt(np.mean(p * p, axis=2))
+            s = _GAUSS_STEP[bits] * xp.sqrt(xp.mean(p * p, axis=2))
         else:
-            s = np.max(np.abs(p), axis=2) / max(2 ** (bits - 1) - 1, 1)
-        s = np.where(s > tiny, s, 1.0)
+            s = xp.max(xp.abs(p), axis=2) / max(2 ** (bits - 1) - 1, 1)
+        s = xp.where(s > tiny, s, full(s, 1.0))
         return s, None
     if method == "rms":
-        mu, sd = np.mean(p, axis=2), np.std(p, axis=2)
+        mu, sd = xp.mean(p, axis=2), xp.std(p, axis=2)
         s = _GAUSS_STEP[bits] * sd
-        s = np.where(s > tiny, s, np.maximum(np.abs(mu), 1.0))
-        z = 2 ** (bits - 1) - np.round(mu / s)
+        s = xp.where(s > tiny, s, xp.maximum(xp.abs(mu), full(mu, 1.0)))
+        z = 2 ** (bits - 1) - xp.round(mu / s)
     else:
-        lo, hi = np.min(p, axis=2), np.max(p, axis=2)
-        lo, hi = np.minimum(lo, 0.0), np.maximum(hi, 0.0)
+        lo, hi = xp.min(p, axis=2), xp.max(p, axis=2)
+        lo, hi = xp.minimum(lo, full(lo, 0.0)), xp.maximum(hi, full(hi, 0.0))
         s = (hi - lo) / (2 ** bits - 1)
-        s = np.where(s > tiny, s, 1.0)
-        z = np.round(-lo / s)
-    z = np.clip(z, 0, 2 ** bits - 1)
+        s = xp.where(s > tiny, s, full(s, 1.0))
+        z = xp.round(-lo / s)
+    z = xp.clip(z, 0, 2 ** bits - 1)
     return s, z
 
 
