@@ -50,21 +50,27 @@ def _ldl_from_cholesky(xp, C, block: int):
         Cp[:n, :n] = C
     else:
         Cp = C
-    # diagonal blocks (nb, b, b)
-    C3 = xp.reshape(Cp, (npad, nb, block))                      # rows, block col, col in block
-    diag = xp.stack([Cp[k * block:(k + 1) * block, k * block:(k + 1) * block] for k in range(nb)])
+    # diagonal blocks (nb, b, b), gathered in one take: element (k, r, c) is
+    # Cp[k b + r, k b + c]
+    k = xp.reshape(xp.arange(nb, device=dev), (nb, 1, 1)) * block
+    r = xp.reshape(xp.arange(block, device=dev), (1, block, 1))
+    c = xp.reshape(xp.arange(block, device=dev), (1, 1, block))
+    at = xp.reshape((k + r) * npad + (k + c), (-1,))
+    diag = xp.reshape(xp.take(xp.reshape(Cp, (-1,)), at), (nb, block, block))
     inv = xp.linalg.inv(diag)                                   # (nb, b, b)
+    C3 = xp.reshape(Cp, (npad, nb, block))                      # rows, block col, col in block
     L3 = xp.matmul(xp.permute_dims(C3, (1, 0, 2)), inv)         # (nb, npad, b)
-    L = xp.reshape(xp.permute_dims(L3, (1, 0, 2)), (npad, npad))[:n, :n]
     Dblk = xp.matmul(diag, xp.permute_dims(diag, (0, 2, 1)))    # (nb, b, b)
-    D = xp.zeros((npad, npad), dtype=C.dtype, device=dev)
-    A = xp.asarray(L, copy=True)
-    for k in range(nb):
-        sl = slice(k * block, (k + 1) * block)
-        D[sl, sl] = Dblk[k, ...]
-        sa = slice(k * block, min((k + 1) * block, n))
-        A[sa, sa] = 0.0  # the diagonal blocks of L are exactly the identity
-    A = xp.tril(A)
+    # assembled through a (nb, b, nb, b) view in which block (k, l) is [k, :, l, :], one
+    # pass each: L is block-lower with diagonal blocks exactly the identity, so A keeps the
+    # blocks below the diagonal (k > l) and has exact zeros elsewhere; D is block-diagonal
+    kb = xp.arange(nb, device=dev)
+    below = xp.reshape(kb[:, None] > kb[None, :], (nb, 1, nb, 1))
+    same = xp.reshape(kb[:, None] == kb[None, :], (nb, 1, nb, 1))
+    zero = xp.zeros((), dtype=C.dtype, device=dev)
+    L4 = xp.reshape(xp.permute_dims(L3, (1, 0, 2)), (nb, block, nb, block))
+    A = xp.reshape(xp.where(below, L4, zero), (npad, npad))[:n, :n]
+    D = xp.reshape(xp.where(same, xp.reshape(Dblk, (nb, block, 1, block)), zero), (npad, npad))
     return A, D[:n, :n]
 
 
