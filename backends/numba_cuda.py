@@ -73,7 +73,8 @@ import os
 import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "warm_up",
-           "DEFAULT_BASE", "solve_stack", "stack_method"]
+           "DEFAULT_BASE", "solve_stack", "stack_method", "count_nonfinite", "factor_scan",
+           "stack_forbidden"]
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
@@ -1080,6 +1081,48 @@ def solve_stack(chunk):
 def _cupy():
     import cupy
     return cupy
+
+
+# ------------------------------------------------------------------------------------------
+# the input and result checks of bakron.solve and the stack layer, one kernel each
+# (backends/_cuda_checks.py; the numba CPU engine has the same three functions)
+# ------------------------------------------------------------------------------------------
+
+_SMS: dict = {}
+
+
+def _check_context():
+    """(array module, numba stream, SM count) for a check kernel on the current stream."""
+    if SIM:
+        return np, 0, 1
+    cupy = _cupy()
+    dev = cupy.cuda.Device().id
+    if dev not in _SMS:
+        _SMS[dev] = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
+    return cupy, _numba_stream(cupy.cuda.get_current_stream().ptr, dev), _SMS[dev]
+
+
+def count_nonfinite(X):
+    """The number of NaN and Inf entries of a float32/float64 array in one kernel, for the
+    input and result checks (``None`` for other arrays: the array-API check counts then)."""
+    from . import _cuda_checks
+    return _cuda_checks.count_nonfinite(*_check_context(), X)
+
+
+def factor_scan(A, block: int):
+    """The statistics the factor checks of ``bakron.solve`` need, in one kernel:
+    ``(forbidden, row_any, first, col_any)`` as ``numba_cpu.factor_scan`` defines them."""
+    from . import _cuda_checks
+    mod, stream, _ = _check_context()
+    return _cuda_checks.factor_scan(mod, stream, A, block)
+
+
+def stack_forbidden(A, block: int):
+    """Per factor of a stack ``(k, s, s)``: the largest ``|entry|`` where ``L - I`` is zero
+    (``(k,)``), in one kernel, for the stack layer's block-lower check."""
+    from . import _cuda_checks
+    mod, stream, _ = _check_context()
+    return _cuda_checks.stack_forbidden(mod, stream, A, block)
 
 
 def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:

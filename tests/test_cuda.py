@@ -272,6 +272,44 @@ def test_sim_every_tile_a_leaf_with_offsets():
 
 
 @sim_only
+def test_sim_check_kernels_equal_the_cpu_checks():
+    """The GPU engine's one-kernel checks give the statistics of the numba CPU engine's
+    (``factor_scan``, ``count_nonfinite``) and of the stack layer's definition
+    (``stack_forbidden``): a factor from prepare_factor, one with entries on and above the
+    diagonal, a coarser-block factor, dead channels; NaN and Inf counts in 1-3 dimensions."""
+    from bakron.backends import numba_cpu, numba_cuda as nc
+    rng = np.random.default_rng(11)
+    n, b = 22, 4  # a ragged last block
+    X = rng.standard_normal((n, 2 * n))
+    H = X @ X.T / n
+    H[5, :] = H[:, 5] = 0.0  # a dead channel
+    good = bakron.prepare_factor(H, b).A
+    coarse = bakron.prepare_factor(H, 2 * b).A
+    bad = good.copy()
+    bad[3, 3], bad[6, 20], bad[9, 8] = 0.5, -2.0, 0.25  # diagonal, above, inside a block
+    for A, dt in ((good, np.float64), (coarse, np.float64), (bad, np.float32),
+                  (np.zeros((n, n)), np.float64)):
+        Ad = A.astype(dt)
+        got, want = nc.factor_scan(Ad, b), numba_cpu.factor_scan(Ad, b)
+        assert got[0] == want[0]
+        for g, w in zip(got[1:], want[1:]):
+            np.testing.assert_array_equal(g, w)
+    stack = np.stack([good, bad, coarse]).astype(np.float32)
+    i = np.arange(n)
+    forbidden = (i[None, :] >= i[:, None]) | (i[None, :] // b == i[:, None] // b)
+    want = np.abs(np.where(forbidden, stack, 0)).max(axis=(1, 2))
+    np.testing.assert_array_equal(nc.stack_forbidden(stack, b), want)
+    assert want[0] == 0 and want[1] == 2.0
+    for shape, dt in (((300,), np.float32), ((7, 45), np.float64), ((3, 5, 11), np.float32)):
+        x = rng.standard_normal(shape).astype(dt)
+        assert nc.count_nonfinite(x) == 0
+        flat = x.reshape(-1)
+        flat[rng.choice(flat.size, 5, replace=False)] = [np.nan, np.inf, -np.inf, np.nan, np.inf]
+        assert nc.count_nonfinite(x) == 5
+    assert nc.count_nonfinite(np.zeros((3, 3), dtype=np.int32)) is None
+    assert nc.factor_scan(np.zeros((3, 3), dtype=np.int32), 1) is None
+
+
 def test_sim_launch_period_of_equal_blocks(monkeypatch):
     """A launch whose blocks have one shape gets period 1 (the kernel locates an item in
     O(1)); blocks that repeat a pattern get its length; results stay those of the CPU path,
@@ -380,6 +418,43 @@ def test_gpu_methods_match_cpu_float64(c):
         np.testing.assert_array_equal(cp.asnumpy(r.codes), ref.codes, err_msg=method)
         np.testing.assert_allclose(cp.asnumpy(r.targets), ref.targets, rtol=1e-9, atol=1e-9)
     np.testing.assert_array_equal(cp.asnumpy(Wd), W)  # input untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+def test_gpu_checks_run_as_kernels_and_refuse_bad_inputs(monkeypatch):
+    """On cupy, ``bakron.solve`` and the stack layer check W and the factors with the GPU
+    engine's one-kernel checks, and refuse bad inputs with the messages of the CPU checks."""
+    from bakron.backends import numba_cuda as nc
+    cp = _cp()
+    calls = []
+    for name in ("count_nonfinite", "factor_scan", "stack_forbidden"):
+        real = getattr(nc, name)
+        monkeypatch.setattr(nc, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    W, AO, AI, q = _problem(7, 64, 48, 8, 8)
+    Wd, AOd, AId = cp.asarray(W), cp.asarray(AO), cp.asarray(AI)
+    r = bakron.solve(Wd, AOd, AId, q, tile=8)
+    np.testing.assert_array_equal(cp.asnumpy(r.values), _ref(W, AO, AI, q, (8, 8)).values)
+    assert calls.count("factor_scan") == 2 and calls.count("count_nonfinite") == 4, calls
+    Wn = Wd.copy()
+    Wn[3, 4] = cp.nan
+    with pytest.raises(ValueError, match="W contains 1 NaN or Inf entry"):
+        bakron.solve(Wn, AOd, AId, q, tile=8)
+    up = AId.copy()
+    up[2, 30] = 1.0
+    with pytest.raises(ValueError, match="A_in must be strictly block-lower-triangular"):
+        bakron.solve(Wd, AOd, up, q, tile=8)
+    coarse = bakron.prepare_factor(cp.asarray(AI @ AI.T + np.eye(48)), 16).A
+    with pytest.raises(ValueError, match="coarser than the tile"):
+        bakron.solve(Wd, AOd, coarse, q, tile=8)
+    calls.clear()
+    Ws, AIs = cp.stack([Wd, Wd, Wd]), cp.stack([AId, AId, up])
+    with pytest.raises(ValueError, match=r"A_in\[2\] \(flattened stack\) must be strictly"):
+        bakron.solve(Ws, AOd, AIs, [q] * 3, tile=8)
+    assert "stack_forbidden" in calls and "count_nonfinite" in calls, calls
+    Ws[1, 0, 0] = cp.inf
+    with pytest.raises(ValueError, match="W contains 1 NaN or Inf entry"):
+        bakron.solve(Ws, AOd, cp.stack([AId] * 3), [q] * 3, tile=8)
 
 
 @pytest.mark.gpu

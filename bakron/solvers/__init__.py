@@ -142,8 +142,8 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     W, A_out, A_in = native(xp, W), native(xp, A_out), native(xp, A_in)
     check_matrix(xp, W, "W")
     dtype = _xp.float_dtype(xp, W, "W")
-    fast = _compiled(xp, engine)  # the numba engine's one-pass checks, or None
-    if fast is not None:
+    fast = _compiled(xp, engine)  # a compiled engine's one-pass checks, or None
+    if hasattr(fast, "quiet_blas"):
         fast.quiet_blas()  # BLAS's spinning idle threads would slow the compiled checks
     count = getattr(fast, "count_nonfinite", None)
     check_finite(xp, W, "W", count)
@@ -218,14 +218,18 @@ def execute(p: Problem, eng, method: str, base: int | None, variant: str,
 
 
 def _compiled(xp, engine: str):
-    """The numba engine's module when it may run a solve of these arrays (numpy; ``engine``
-    ``auto`` or ``numba``) and is available, else ``None``: its one-pass parallel kernels
-    (``count_nonfinite``, ``factor_scan``) then give the input and result checks their
-    statistics, instead of several array-API passes (at 2048² on 16 cores those took about a
-    third of a solve; docs/engines.md, "Many cores"). The decisions and messages stay here."""
-    if engine not in ("auto", "numba") or not _xp.is_numpy(xp):
-        return None
-    return engines.load("numba")
+    """The compiled engine's module that may run a solve of these arrays and is available
+    (the numba engine for numpy, the cuda engine for cupy; ``engine`` ``auto`` or that
+    engine), else ``None``: its one-pass kernels (``count_nonfinite``, ``factor_scan``, and
+    on the GPU ``stack_forbidden``) then give the input and result checks their statistics,
+    instead of several array-API passes (at 2048² on 16 cores those took about a third of a
+    solve, docs/engines.md, "Many cores"; on the H200 about 3 ms of a 5 ms solve at 1024²,
+    "Checks on the GPU"). The decisions and messages stay here."""
+    if _xp.is_numpy(xp) and engine in ("auto", "numba"):
+        return engines.load("numba")
+    if _xp.is_cupy(xp) and engine in ("auto", "cuda"):
+        return engines.load("cuda")
+    return None
 
 
 def _factor_scan(fast, A, block: int):

@@ -191,11 +191,18 @@ def _rows_first(reduce, X):
     return reduce(reduce(X, axis=2), axis=1)
 
 
-def _check_finite_stack(xp, flat, name: str) -> None:
+def _check_finite_stack(xp, flat, name: str, fast=None) -> None:
     """No NaN or Inf in ``flat`` (k, r, c), checked a few matrices at a time (one
-    synchronisation); the single check counts the bad entries for the message."""
+    synchronisation), or in one kernel of the GPU engine (``fast``, from
+    ``solvers._compiled``); the single check counts the bad entries for the message."""
     k, r, c = flat.shape
     if k == 0:
+        return
+    count = getattr(fast, "count_nonfinite", None)  # None for arrays it does not take
+    bad = None if count is None else count(flat)
+    if bad is not None:
+        if bad:
+            check_finite(xp, flat, name, count)
         return
     step = _pass_items(xp, r, c)
     ok = [xp.all(_rows_first(xp.all, xp.isfinite(flat[j0:min(k, j0 + step), ...])))
@@ -204,20 +211,25 @@ def _check_finite_stack(xp, flat, name: str) -> None:
         check_finite(xp, flat, name)
 
 
-def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str) -> None:
-    """Every factor of the stack ``A`` (k, s, s) is ``L - I``: one mask for all of them,
-    factors taken a few at a time (``_pass_items``; one synchronisation); the single-layer
-    check words the error for the first bad one."""
+def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str, fast=None) -> None:
+    """Every factor of the stack ``A`` (k, s, s) is ``L - I``: one kernel of the GPU engine
+    (``fast``, from ``solvers._compiled``), or one mask for all of them, factors taken a few
+    at a time (``_pass_items``); one synchronisation either way. The single-layer check
+    words the error for the first bad one."""
     k, s = A.shape[0], A.shape[-1]
     if k == 0:
         return
-    i = xp.arange(s, device=_xp.device(A))
-    blk = i // block
-    forbidden = ((i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None]))[None, ...]
-    zero = xp.zeros((1, 1, 1), dtype=A.dtype, device=_xp.device(A))
-    step = _pass_items(xp, s, s)
-    parts = (A[j0:min(k, j0 + step), ...] for j0 in range(0, k, step))
-    bad = xp.concat([_rows_first(xp.max, xp.abs(xp.where(forbidden, P, zero))) for P in parts])
+    scan = getattr(fast, "stack_forbidden", None)
+    bad = None if scan is None else scan(A, block)
+    if bad is None:
+        i = xp.arange(s, device=_xp.device(A))
+        blk = i // block
+        forbidden = ((i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None]))[None, ...]
+        zero = xp.zeros((1, 1, 1), dtype=A.dtype, device=_xp.device(A))
+        step = _pass_items(xp, s, s)
+        parts = (A[j0:min(k, j0 + step), ...] for j0 in range(0, k, step))
+        bad = xp.concat([_rows_first(xp.max, xp.abs(xp.where(forbidden, P, zero)))
+                         for P in parts])
     if float(xp.max(bad)) != 0.0:
         j = int(_xp.to_numpy(xp.argmax(xp.astype(bad != 0, xp.int8))))
         label = name if k == 1 else f"{name}[{j}] (flattened stack)"
@@ -312,7 +324,8 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
             except ValueError as e:
                 raise ValueError(f"quantizer for item {i}: {e}") from None
     W_flat, w_idx = _flat(xp, W, stack)
-    _check_finite_stack(xp, W_flat, "W")
+    fast = solvers._compiled(xp, engine)  # one-kernel checks where the engine has them
+    _check_finite_stack(xp, W_flat, "W", fast)
     # a factor in another dtype is cast once for the stack, as the single solve casts it
     A_in_flat, in_idx = _flat(xp, xp.astype(A_in, dtype, copy=False), stack)
     if A_out is None:
@@ -321,8 +334,8 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
         A_out_flat, out_idx = _flat(xp, xp.astype(A_out, dtype, copy=False), stack)
     for name, flat, blk in (("A_in", A_in_flat, ty), ("A_out", A_out_flat, tx)):
         if flat is not None:
-            _check_finite_stack(xp, flat, name)
-            _check_strictly_lower_stack(solvers, xp, flat, blk, name)
+            _check_finite_stack(xp, flat, name, fast)
+            _check_strictly_lower_stack(solvers, xp, flat, blk, name, fast)
 
     itemsize = 4 if dtype == xp.float32 else 8
     budget = _default_budget(xp) if max_bytes is None else int(max_bytes)
