@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
 from numba import cuda, float64, int64
 
 #: threads per CTA of both kernels (a power of two: the CTA reductions halve it); 8 under
@@ -147,7 +146,7 @@ def stack_forbidden(mod, stream, A, block: int):
     k, s = A.shape[0], A.shape[-1]
     A2 = mod.reshape(mod.ascontiguousarray(A), (k * s, s))
     bad = mod.empty((k * s,), dtype=mod.float64)
-    dummy = mod.zeros((1,), dtype=np.int64)
-    kern["scan"][k * s, THREADS, stream](A2, s, int(block), False, bad, dummy,
-                                         mod.zeros((1,), dtype=mod.uint8))
+    unused_first, unused_col = mod.zeros((1,), dtype=mod.int64), mod.zeros((1,), dtype=mod.uint8)
+    kern["scan"][k * s, THREADS, stream](A2, s, int(block), False, bad, unused_first,
+                                         unused_col)
     return mod.max(mod.reshape(bad, (k, s)), axis=1)
