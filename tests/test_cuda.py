@@ -310,6 +310,7 @@ def test_sim_check_kernels_equal_the_cpu_checks():
     assert nc.factor_scan(np.zeros((3, 3), dtype=np.int32), 1) is None
 
 
+@sim_only
 def test_sim_launch_period_of_equal_blocks(monkeypatch):
     """A launch whose blocks have one shape gets period 1 (the kernel locates an item in
     O(1)); blocks that repeat a pattern get its length; results stay those of the CPU path,
