@@ -16,8 +16,6 @@ import io
 import pstats
 import time
 
-import numpy as np
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -26,19 +24,9 @@ def main() -> None:
     import cupy
 
     import bakron
-    from bakron.benchmarks.stack import LLAMA3_8B_BLOCK
+    from bakron.benchmarks.stack import llama_block_layers
 
-    rng = cupy.random.default_rng(0)
-    dims = {}
-    for _, m, n, hin, hout in LLAMA3_8B_BLOCK:
-        dims[hin], dims[hout] = n, m
-    hess = {}
-    for key, d in dims.items():
-        X = rng.standard_normal((d, d + 64), dtype=np.float32)
-        hess[key] = (X @ X.T) / X.shape[1]
-        del X
-    layers = [(rng.standard_normal((m, n), dtype=np.float32), hess[hin], hess[hout])
-              for _, m, n, hin, hout in LLAMA3_8B_BLOCK]
+    layers = llama_block_layers(cupy.random.default_rng(0))
     sync = cupy.cuda.get_current_stream().synchronize
 
     def run():
@@ -56,13 +44,14 @@ def main() -> None:
     print("wall ms", [round(w * 1e3, 1) for w in walls],
           "| solves ms", round(sum(r.seconds_solve for r in res) * 1e3, 1),
           "| factors ms", [round(r.seconds_factor * 1e3, 1) for r in res], flush=True)
-    for key, H in hess.items():
+    hess = {id(H): H for _, H_in, H_out in layers for H in (H_in, H_out)}
+    for H in hess.values():
         bakron.prepare_factor(H, 16)
         sync()
         t0 = time.perf_counter()
         bakron.prepare_factor(H, 16)
         sync()
-        print(f"prepare_factor {key} ({H.shape[0]}): "
+        print(f"prepare_factor ({H.shape[0]}): "
               f"{(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
     pr = cProfile.Profile()
     pr.enable()

@@ -43,7 +43,7 @@ import numpy as np
 from .._lib.fs import atomic_path
 from .cpu import interleaved
 
-__all__ = ["main", "make_stack", "run_point", "GPU_SUITE"]
+__all__ = ["main", "make_stack", "run_point", "GPU_SUITE", "llama_block_layers"]
 
 #: the GPU workloads of ``--gpu --suite``: (B, m, n)
 GPU_SUITE = ((64, 1024, 1024), (128, 768, 2048), (128, 2048, 768), (64, 256, 256))
@@ -252,6 +252,22 @@ LLAMA3_8B_BLOCK = (("q_proj", 4096, 4096, "attn_in", "q"), ("k_proj", 1024, 4096
                    ("down_proj", 4096, 14336, "down_in", "down"))
 
 
+def llama_block_layers(rng, dtype="float32") -> list:
+    """The layers of :data:`LLAMA3_8B_BLOCK` on the GPU, as ``quantize_layers`` takes them:
+    ``(W, H_in, H_out)`` with random weights in ``dtype`` and Wishart Hessians (float32, made
+    with the cupy generator ``rng``), one per input or output the block shares."""
+    dims = {}
+    for _, m, n, hin, hout in LLAMA3_8B_BLOCK:
+        dims[hin], dims[hout] = n, m
+    hess = {}
+    for key, d in dims.items():
+        X = rng.standard_normal((d, d + 64), dtype=np.float32)
+        hess[key] = (X @ X.T) / X.shape[1]
+        del X
+    return [(rng.standard_normal((m, n), dtype=np.float32).astype(dtype), hess[hin], hess[hout])
+            for _, m, n, hin, hout in LLAMA3_8B_BLOCK]
+
+
 def _gpu_block(args, command) -> int:
     """``--gpu --block``: the seven linears of a Llama-3-8B block through
     :func:`bakron.quantize_layers` (the runners' core: factor preparation, same-shape layers
@@ -265,16 +281,7 @@ def _gpu_block(args, command) -> int:
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     rng = cupy.random.default_rng(0)
     dt = np.dtype(args.dtype)
-    dims = {}
-    for _, m, n, hin, hout in LLAMA3_8B_BLOCK:
-        dims[hin], dims[hout] = n, m
-    hess = {}
-    for key, d in dims.items():  # Wishart Hessians, made on the GPU
-        X = rng.standard_normal((d, d + 64), dtype=np.float32)
-        hess[key] = (X @ X.T) / X.shape[1]
-        del X
-    layers = [(rng.standard_normal((m, n), dtype=np.float32).astype(dt), hess[hin], hess[hout])
-              for _, m, n, hin, hout in LLAMA3_8B_BLOCK]
+    layers = llama_block_layers(rng, dt)
     sync = cupy.cuda.get_current_stream().synchronize
 
     def run():
