@@ -74,7 +74,7 @@ import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "warm_up",
            "DEFAULT_BASE", "solve_stack", "stack_method", "count_nonfinite", "factor_scan",
-           "stack_forbidden"]
+           "stack_forbidden", "input_checks"]
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
@@ -1115,6 +1115,14 @@ def factor_scan(A, block: int):
     from . import _cuda_checks
     mod, stream, _ = _check_context()
     return _cuda_checks.factor_scan(mod, stream, A, block)
+
+
+def input_checks(arrays: dict, blocks: dict):
+    """The statistics of ``bakron.solve``'s input checks, all kernels adding into one small
+    array read back once: ``(nonfinite, forbidden_rows, coarse_tile)``, dicts by name
+    (``_cuda_checks.input_checks``), or ``None`` for dtypes the kernels do not take."""
+    from . import _cuda_checks
+    return _cuda_checks.input_checks(*_check_context(), arrays, blocks)
 
 
 def stack_forbidden(A, block: int):

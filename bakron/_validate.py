@@ -157,9 +157,10 @@ def nonfinite(xp, x, count=None) -> int:
     return int(xp.sum(xp.astype(~xp.isfinite(x), xp.int64)))
 
 
-def check_finite(xp, x, name: str, count=None):
-    """No NaN or Inf in ``x``. ``count``: as in :func:`nonfinite`."""
-    bad = nonfinite(xp, x, count)
+def check_finite(xp, x, name: str, count=None, known: int | None = None):
+    """No NaN or Inf in ``x``. ``count``: as in :func:`nonfinite`; ``known``: the number of
+    NaN and Inf entries when a fused pass has counted them already (nothing is read then)."""
+    bad = nonfinite(xp, x, count) if known is None else known
     if bad:
         raise ValueError(f"{name} contains {bad} NaN or Inf entr{'y' if bad == 1 else 'ies'}")
     return x
@@ -230,7 +231,7 @@ def check_bits_list(bits, name: str = "bits") -> tuple[int, ...]:
 
 
 def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None,
-                       scan=None) -> None:
+                       scan=None, coarse_tile: int | None = None) -> None:
     """Refuse a factor ``A = L - I`` made with a *coarser* block size than ``block``.
 
     ``recorded`` is the block size a :class:`bakron.Factor` carries: it must be ``block``
@@ -249,13 +250,18 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
 
     ``scan``: the statistics of a strictly block-lower ``A`` from a compiled pass
     (``bakron.solvers._factor_scan``: ``(_, row_any, first, col_any)``); without it they are
-    computed here in row strips.
+    computed here in row strips. ``coarse_tile``: the decision made already by a fused pass
+    (``numba_cuda.input_checks``): the first tile ``k`` with the signature, 0 for none.
     """
     n = A.shape[0]
     if recorded is not None and recorded != min(block, n):
         raise ValueError(f"{name} was prepared with block size {recorded} but the tile needs "
                          f"{block}; prepare it with prepare_factor(H, {block})")
     if n <= block:
+        return
+    if coarse_tile is not None:
+        if coarse_tile:
+            _refuse_coarse(name, block, coarse_tile)
         return
     dev = _device(A)
     # per row: any non-zero, the first non-zero column (n where the row is zero); per
@@ -300,12 +306,16 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
     t_further = xp.sum(xp.reshape(further, (tiles, block)), axis=1)
     empty = (t_elig > 0) & (t_nz == 0) & (t_further > 0)
     if bool(xp.any(empty)):
-        k = int(xp.nonzero(empty)[0][0]) + 1
-        raise ValueError(
-            f"{name} looks like a factor made with a block size coarser than the tile "
-            f"({block}): its tile ({k}, {k - 1}) next to the diagonal is exactly zero on live "
-            f"rows and columns while those rows hold non-zeros further left; prepare it with prepare_factor(H, {block}) (the tile's "
-            f"{'t_y' if name.endswith('in') else 't_x'})")
+        _refuse_coarse(name, block, int(xp.nonzero(empty)[0][0]) + 1)
+
+
+def _refuse_coarse(name: str, block: int, k: int) -> None:
+    """The error of :func:`check_factor_block` for tile ``(k, k - 1)``."""
+    raise ValueError(
+        f"{name} looks like a factor made with a block size coarser than the tile ({block}): "
+        f"its tile ({k}, {k - 1}) next to the diagonal is exactly zero on live rows and "
+        f"columns while those rows hold non-zeros further left; prepare it with "
+        f"prepare_factor(H, {block}) (the tile's {'t_y' if name.endswith('in') else 't_x'})")
 
 
 def _device(x):

@@ -311,6 +311,52 @@ def test_sim_check_kernels_equal_the_cpu_checks():
 
 
 @sim_only
+def test_sim_fused_input_checks_decide_as_the_array_api_checks():
+    """``numba_cuda.input_checks`` (all statistics of ``bakron.solve``'s input checks, one
+    read-back) counts what the array-API checks count and finds the coarse-block tile that
+    ``check_factor_block`` finds: factors from prepare_factor (ragged, a dead channel, a
+    finer and a coarser block), one with entries where ``L - I`` is zero, NaN and Inf."""
+    from bakron import _validate
+    from bakron.backends import numba_cuda as nc
+    rng = np.random.default_rng(5)
+    n = 22
+    X = rng.standard_normal((n, 2 * n))
+    H = X @ X.T / n
+    H[5, :] = H[:, 5] = 0.0  # a dead channel
+    W = rng.standard_normal((9, n)).astype(np.float32)
+    W[2, 3], W[4, 0] = np.nan, -np.inf
+    seen = set()
+    for made, b, dt in ((4, 4, np.float64), (8, 4, np.float64), (8, 4, np.float32),
+                        (12, 3, np.float64), (3, 3, np.float32), (2, 4, np.float64),
+                        (4, 22, np.float64)):
+        A = bakron.prepare_factor(H, made).A.astype(dt)
+        if made == 3:
+            A[1, 1], A[7, 15], A[10, 9] = 0.5, -2.0, 0.25  # diagonal, above, inside a block
+        nonfinite, forbidden, coarse = nc.input_checks({"W": W, "A_in": A}, {"A_in": b})
+        assert nonfinite == {"W": 2, "A_in": 0}
+        i = np.arange(n)
+        zero_part = (i[None, :] >= i[:, None]) | (i[None, :] // b == i[:, None] // b)
+        assert forbidden["A_in"] == int(np.any((A != 0) & zero_part, axis=1).sum())
+        if forbidden["A_in"]:
+            seen.add("forbidden")
+            continue
+        want = None
+        try:
+            _validate.check_factor_block(np, A, b, "A_in")
+        except ValueError as exc:
+            want = str(exc)
+        got = None
+        try:
+            _validate.check_factor_block(np, A, b, "A_in", coarse_tile=coarse["A_in"])
+        except ValueError as exc:
+            got = str(exc)
+        assert got == want, (made, b)
+        seen.add("coarse" if want else "fine")
+    assert seen == {"forbidden", "coarse", "fine"}
+    assert nc.input_checks({"W": np.zeros((3, 3), dtype=np.int32)}, {}) is None
+
+
+@sim_only
 def test_sim_launch_period_of_equal_blocks(monkeypatch):
     """A launch whose blocks have one shape gets period 1 (the kernel locates an item in
     O(1)); blocks that repeat a pattern get its length; results stay those of the CPU path,
@@ -429,14 +475,15 @@ def test_gpu_checks_run_as_kernels_and_refuse_bad_inputs(monkeypatch):
     from bakron.backends import numba_cuda as nc
     cp = _cp()
     calls = []
-    for name in ("count_nonfinite", "factor_scan", "stack_forbidden"):
+    for name in ("count_nonfinite", "factor_scan", "stack_forbidden", "input_checks"):
         real = getattr(nc, name)
         monkeypatch.setattr(nc, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
     W, AO, AI, q = _problem(7, 64, 48, 8, 8)
     Wd, AOd, AId = cp.asarray(W), cp.asarray(AO), cp.asarray(AI)
     r = bakron.solve(Wd, AOd, AId, q, tile=8)
     np.testing.assert_array_equal(cp.asnumpy(r.values), _ref(W, AO, AI, q, (8, 8)).values)
-    assert calls.count("factor_scan") == 2 and calls.count("count_nonfinite") == 4, calls
+    # the inputs in one fused pass, the result in one count
+    assert calls == ["input_checks", "count_nonfinite"], calls
     Wn = Wd.copy()
     Wn[3, 4] = cp.nan
     with pytest.raises(ValueError, match="W contains 1 NaN or Inf entry"):

@@ -145,18 +145,14 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     fast = _compiled(xp, engine)  # a compiled engine's one-pass checks, or None
     if hasattr(fast, "quiet_blas"):
         fast.quiet_blas()  # BLAS's spinning idle threads would slow the compiled checks
-    count = getattr(fast, "count_nonfinite", None)
-    check_finite(xp, W, "W", count)
     m, n = W.shape
     check_matrix(xp, A_in, "A_in")
     check_factor_shape(A_in, n, "A_in", "A_out", m, "columns")
     check_real_dtype(xp, A_in, "A_in")
-    check_finite(xp, A_in, "A_in", count)
     if A_out is not None:
         check_matrix(xp, A_out, "A_out")
         check_factor_shape(A_out, m, "A_out", "A_in", n, "rows")
         check_real_dtype(xp, A_out, "A_out")
-        check_finite(xp, A_out, "A_out", count)
     tx, ty = check_tile(tile, m, n)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -166,13 +162,7 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     base = BASE_TILES if base is None else check_int(base, "base", minimum=1,
                                                       what="a positive number of tiles")
     check_quantizer(quantizer, m, n, dtype)
-    scan = _factor_scan(fast, A_in, ty)
-    _check_strictly_lower(xp, A_in, ty, "A_in", scan)
-    check_factor_block(xp, A_in, ty, "A_in", blk_in, scan)
-    if A_out is not None:
-        scan = _factor_scan(fast, A_out, tx)
-        _check_strictly_lower(xp, A_out, tx, "A_out", scan)
-        check_factor_block(xp, A_out, tx, "A_out", blk_out, scan)
+    _check_input_values(xp, fast, W, ((A_in, ty, "A_in", blk_in), (A_out, tx, "A_out", blk_out)))
 
     p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
     if return_targets and engine == "auto" and method != "wavefront":
@@ -180,6 +170,33 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     eng = _pick_engine(engine, p, method, variant)
     check_wavefront(eng, method)
     return execute(p, eng, method, None if auto_base else base, variant, max_naive_bytes)
+
+
+def _check_input_values(xp, fast, W, factors) -> None:
+    """The checks that read the inputs' values, in this order: ``W`` and each factor finite,
+    then each factor ``(A, block, name, recorded block)`` strictly block-lower and not made
+    with a coarser block. Their statistics come from the compiled engine ``fast`` when there
+    is one: on the GPU one pass for all of them (``input_checks``: every kernel adds into one
+    small array, one synchronisation), on the CPU one compiled pass per array; else from
+    array-API passes. The decisions and messages are the same either way."""
+    factors = [f for f in factors if f[0] is not None]
+    fused = getattr(fast, "input_checks", None)
+    stats = None
+    if fused is not None:
+        stats = fused({"W": W, **{name: A for A, _, name, _ in factors}},
+                      {name: block for _, block, name, _ in factors})
+    count = getattr(fast, "count_nonfinite", None)
+    for name, x in (("W", W), *((name, A) for A, _, name, _ in factors)):
+        check_finite(xp, x, name, count, known=None if stats is None else stats[0][name])
+    for A, block, name, recorded in factors:
+        if stats is None:
+            scan = _factor_scan(fast, A, block)
+            _check_strictly_lower(xp, A, block, name, scan)
+            check_factor_block(xp, A, block, name, recorded, scan)
+            continue
+        if stats[1][name]:  # the value for the message: one more pass, on the error path only
+            _check_strictly_lower(xp, A, block, name, _factor_scan(fast, A, block))
+        check_factor_block(xp, A, block, name, recorded, coarse_tile=stats[2][name])
 
 
 def check_wavefront(eng, method: str) -> None:
