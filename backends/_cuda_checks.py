@@ -5,244 +5,299 @@ several cupy passes with their temporaries (docs/engines.md, "Checks on the GPU"
 The statistics are those of the numba CPU engine's ``factor_scan`` and ``count_nonfinite``
 (``backends/_numba_kernels.py``): the decisions and the messages stay in
 ``bakron._validate`` and ``bakron.solvers``. Under numba-cuda's simulator the kernels run on
-numpy arrays, so CI checks them against the CPU kernels. Imported by ``numba_cuda`` only when
-a check runs (importing it imports ``numba.cuda``).
+numpy arrays, so CI checks them against the CPU kernels. Compiled, the kernels take raw
+device pointers and int64 sizes (one compilation per dtype) and are launched through
+``_cuda_launch`` (no type inference or argument conversion per launch); under the simulator
+they take flat numpy arrays. Imported by ``numba_cuda`` only when a check runs (importing
+it imports ``numba.cuda``).
 """
 from __future__ import annotations
 
 import math
 import os
 
-from numba import cuda, float64, int64
+import numpy as np
+
+from numba import cuda, float64, int64, types
 
 #: threads per CTA of both kernels (a power of two: the CTA reductions halve it); 8 under
 #: the simulator, whose threads are Python threads
-THREADS = 8 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else 128
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+THREADS = 8 if SIM else 128
 #: at most this many CTAs per SM for the grid-stride count
 _COUNT_CTAS_PER_SM = 8
-#: ``input_checks`` stores the first coarse-looking tile ``k`` as ``_FIRST - k`` (an atomic
-#: max over a zeroed slot keeps the smallest ``k``)
-_FIRST = 1 << 40
 
 _KERNELS: dict = {}
 
 
-def _build():
-    """Compile (once) the two kernels."""
-    if _KERNELS:
-        return _KERNELS
-    nt = THREADS
-
-    @cuda.jit
-    def scan(A, item_rows, block, stats, bad, first, col, res, slot):
-        """CTA ``r`` reads row ``r`` of ``A`` (rows of a stack of square factors of
-        ``item_rows`` rows each): ``bad[r]``, the largest ``|entry|`` from the first column
-        of the row's diagonal block on (on or above the diagonal, or inside a diagonal
-        block); with ``stats``, ``first[r]``, the first non-zero column left of that (``n``
-        if none), and ``col[j] = 1`` for every column with a non-zero there. ``slot >= 0``:
-        ``res[slot]`` also counts the rows whose ``bad`` is not zero."""
-        r = cuda.blockIdx.x
-        t = cuda.threadIdx.x
-        n = A.shape[1]
-        lim = ((r % item_rows) // block) * block
-        b = 0.0
-        f = n
-        j = t
-        while j < n:
-            v = A[r, j]
-            if j >= lim:
-                a = abs(v)
-                if a > b:
-                    b = a
-            elif v != 0:
-                if j < f:
-                    f = j
-                if stats:
-                    col[j] = 1
-            j += nt
-        sb = cuda.shared.array(nt, float64)
-        sf = cuda.shared.array(nt, int64)
-        sb[t] = b
-        sf[t] = f
-        cuda.syncthreads()
-        h = nt // 2
-        while h > 0:
-            if t < h:
-                if sb[t + h] > sb[t]:
-                    sb[t] = sb[t + h]
-                if sf[t + h] < sf[t]:
-                    sf[t] = sf[t + h]
-            cuda.syncthreads()
-            h //= 2
-        if t == 0:
-            bad[r] = sb[0]
+def _scan(A, n, item_rows, block, stats, bad, first, col):
+    """CTA ``r`` reads row ``r`` of ``A`` (``n`` columns; rows of a stack of square factors
+    of ``item_rows`` rows each): ``bad[r]``, the largest ``|entry|`` from the first column
+    of the row's diagonal block on (on or above the diagonal, or inside a diagonal block);
+    with ``stats``, ``first[r]``, the first non-zero column left of that (``n`` if none),
+    and ``col[j] = 1`` for every column with a non-zero there (a benign race: every writer
+    writes 1)."""
+    r = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    lim = ((r % item_rows) // block) * block
+    row = r * n
+    b = 0.0
+    f = n
+    j = t
+    while j < n:
+        v = A[row + j]
+        if j >= lim:
+            a = abs(v)
+            if a > b:
+                b = a
+        elif v != 0:
+            if j < f:
+                f = j
             if stats:
-                first[r] = sf[0]
-            if slot >= 0 and sb[0] != 0:
-                cuda.atomic.add(res, slot, 1)
-
-    @cuda.jit
-    def coarse(A, block, first, col, res, slot):
-        """CTA ``c`` looks at tile ``k = c + 1`` just left of the diagonal (rows
-        ``k * block..``, columns ``(k - 1) * block..``) of a strictly block-lower ``A``
-        whose ``scan`` statistics are ``first`` and ``col``: if the tile has live
-        entries (row and column live: a non-zero in the row or the column), all of them
-        zero, and a row with a non-zero further left, ``res[slot]`` keeps
-        ``_FIRST - k`` for the smallest such ``k`` (``bakron._validate.check_factor_block``
-        defines the signature)."""
-        k = cuda.blockIdx.x + 1
-        t = cuda.threadIdx.x
-        n = A.shape[0]
-        r0 = k * block
-        rows = min(block, n - r0)
-        start = r0 - block
-        e = 0
-        z = 0
-        f = 0
-        i = t
-        while i < rows * block:
-            r = r0 + i // block
-            c = start + i % block
-            if (first[r] < n or col[r] != 0) and (first[c] < n or col[c] != 0):
-                e = 1
-                if A[r, c] != 0:
-                    z = 1
-            i += nt
-        i = t
-        while i < rows:
-            if first[r0 + i] < start:
-                f = 1
-            i += nt
-        se = cuda.shared.array(nt, int64)
-        sz = cuda.shared.array(nt, int64)
-        sf = cuda.shared.array(nt, int64)
-        se[t] = e
-        sz[t] = z
-        sf[t] = f
+                col[j] = 1
+        j += THREADS
+    sb = cuda.shared.array(THREADS, float64)
+    sf = cuda.shared.array(THREADS, int64)
+    sb[t] = b
+    sf[t] = f
+    cuda.syncthreads()
+    h = THREADS // 2
+    while h > 0:
+        if t < h:
+            if sb[t + h] > sb[t]:
+                sb[t] = sb[t + h]
+            if sf[t + h] < sf[t]:
+                sf[t] = sf[t + h]
         cuda.syncthreads()
-        h = nt // 2
-        while h > 0:
-            if t < h:
-                se[t] |= se[t + h]
-                sz[t] |= sz[t + h]
-                sf[t] |= sf[t + h]
-            cuda.syncthreads()
-            h //= 2
-        if t == 0 and se[0] != 0 and sz[0] == 0 and sf[0] != 0:
-            cuda.atomic.max(res, slot, _FIRST - k)
+        h //= 2
+    if t == 0:
+        bad[r] = sb[0]
+        if stats:
+            first[r] = sf[0]
 
-    @cuda.jit
-    def count(x, out, slot):
-        """``out[slot] +=`` the number of NaN and Inf entries of the 1-D ``x``
-        (grid-stride)."""
-        t = cuda.threadIdx.x
-        i = cuda.grid(1)
-        step = cuda.gridsize(1)
-        c = 0
-        while i < x.shape[0]:
-            v = x[i]
-            if v != v or abs(v) == math.inf:
-                c += 1
-            i += step
-        sc = cuda.shared.array(nt, int64)
-        sc[t] = c
+
+def _coarse(A, n, block, first, col, flag):
+    """CTA ``c`` looks at tile ``k = c + 1`` just left of the diagonal (rows ``k * block..``,
+    columns ``(k - 1) * block..``) of a strictly block-lower ``n x n`` ``A`` whose ``_scan``
+    statistics are ``first`` and ``col``: if the tile has live entries (row and column live:
+    a non-zero in the row or the column), all of them zero, and a row with a non-zero
+    further left, ``flag[c] = 1``, else 0 (``bakron._validate.check_factor_block`` defines
+    the signature)."""
+    k = cuda.blockIdx.x + 1
+    t = cuda.threadIdx.x
+    r0 = k * block
+    rows = min(block, n - r0)
+    start = r0 - block
+    e = 0
+    z = 0
+    f = 0
+    i = t
+    while i < rows * block:
+        r = r0 + i // block
+        c = start + i % block
+        if (first[r] < n or col[r] != 0) and (first[c] < n or col[c] != 0):
+            e = 1
+            if A[r * n + c] != 0:
+                z = 1
+        i += THREADS
+    i = t
+    while i < rows:
+        if first[r0 + i] < start:
+            f = 1
+        i += THREADS
+    se = cuda.shared.array(THREADS, int64)
+    sz = cuda.shared.array(THREADS, int64)
+    sf = cuda.shared.array(THREADS, int64)
+    se[t] = e
+    sz[t] = z
+    sf[t] = f
+    cuda.syncthreads()
+    h = THREADS // 2
+    while h > 0:
+        if t < h:
+            se[t] |= se[t + h]
+            sz[t] |= sz[t + h]
+            sf[t] |= sf[t + h]
         cuda.syncthreads()
-        h = nt // 2
-        while h > 0:
-            if t < h:
-                sc[t] += sc[t + h]
-            cuda.syncthreads()
-            h //= 2
-        if t == 0 and sc[0] > 0:
-            cuda.atomic.add(out, slot, sc[0])
+        h //= 2
+    if t == 0:
+        flag[k - 1] = 1.0 if (se[0] != 0 and sz[0] == 0 and sf[0] != 0) else 0.0
 
-    _KERNELS.update(scan=scan, count=count, coarse=coarse)
-    return _KERNELS
+
+def _count_kernel(x, size, out):
+    """``out[b]``: the number of NaN and Inf entries CTA ``b`` finds in ``x[:size]``
+    (grid-stride; the caller sums the CTAs' counts)."""
+    t = cuda.threadIdx.x
+    i = cuda.grid(1)
+    step = cuda.gridsize(1)
+    c = 0
+    while i < size:
+        v = x[i]
+        if v != v or abs(v) == math.inf:
+            c += 1
+        i += step
+    sc = cuda.shared.array(THREADS, int64)
+    sc[t] = c
+    cuda.syncthreads()
+    h = THREADS // 2
+    while h > 0:
+        if t < h:
+            sc[t] += sc[t + h]
+        cuda.syncthreads()
+        h //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = sc[0]
+
+
+def _signature(name: str, dtname: str) -> tuple:
+    """The raw-pointer signature of kernel ``name`` for data of dtype ``dtname``."""
+    P = types.CPointer(getattr(types, dtname))
+    I64, F64 = types.CPointer(types.int64), types.CPointer(types.float64)
+    U8, i = types.CPointer(types.uint8), types.int64
+    if name == "scan":
+        return (P, i, i, i, i, F64, I64, U8)
+    if name == "coarse":
+        return (P, i, i, I64, U8, F64)
+    return (P, i, F64)
+
+
+_SOURCES = {"scan": _scan, "coarse": _coarse, "count": _count_kernel}
+
+
+def _kernel(name: str, dtname: str):
+    """Kernel ``name`` compiled for ``dtname`` (once): under the simulator the dispatcher,
+    compiled the compiled overload of its raw-pointer signature."""
+    key = (name, "sim" if SIM else dtname)
+    hit = _KERNELS.get(key)
+    if hit is None:
+        if SIM:
+            hit = cuda.jit(_SOURCES[name])
+        else:
+            disp = cuda.jit(_signature(name, dtname))(_SOURCES[name])
+            hit = next(iter(disp.overloads.values()))
+        _KERNELS[key] = hit
+    return hit
+
+
+def _launch(ctx, name: str, dtname: str, ctas: int, *args) -> None:
+    """Launch kernel ``name`` on ``ctas`` CTAs of ``THREADS`` threads; arrays in ``args``
+    go as flat arrays (simulator) or device pointers, everything else as int64."""
+    mod, stream, _, dev = ctx
+    kern = _kernel(name, dtname)
+    if SIM:
+        kern[ctas, THREADS, stream](*(a.reshape(-1) if isinstance(a, mod.ndarray) else int(a)
+                                      for a in args))
+        return
+    from . import _cuda_launch
+    _cuda_launch.launch(kern, dev, (ctas, 1, 1), (THREADS, 1, 1), stream,
+                        tuple(int(a.data.ptr) if isinstance(a, mod.ndarray) else int(a)
+                              for a in args))
 
 
 def _takes(X) -> bool:
     return str(X.dtype) in ("float32", "float64") and X.size > 0
 
 
-def count_nonfinite(mod, stream, sms: int, X):
-    """The number of NaN and Inf entries of ``X`` (any shape; ``mod``: cupy, or numpy under
-    the simulator), or ``None`` for a dtype the kernel does not take."""
+def _host(x):
+    """A device array's values on the host (one copy; numpy as it is)."""
+    return x.get() if hasattr(x, "get") else x
+
+
+def _count_ctas(ctx, size: int) -> int:
+    return max(1, min(-(-size // THREADS), _COUNT_CTAS_PER_SM * ctx[2]))
+
+
+def count_nonfinite(ctx, X):
+    """The number of NaN and Inf entries of ``X`` (any shape; ``ctx``: ``(array module,
+    stream, SM count, device)``, the module cupy, or numpy under the simulator), or ``None``
+    for a dtype the kernel does not take."""
     if not _takes(X):
         return None
-    out = mod.zeros((1,), dtype=mod.int64)
-    _count(mod, stream, sms, X, out, 0)
-    return int(out[0])
+    x = ctx[0].reshape(ctx[0].ascontiguousarray(X), (-1,))
+    out = ctx[0].empty((_count_ctas(ctx, x.shape[0]),), dtype=ctx[0].float64)
+    _count(ctx, x, out)
+    return int(_host(out).sum())
 
 
-def _count(mod, stream, sms: int, X, out, slot: int) -> None:
-    """Launch the count of ``X``'s NaN and Inf entries into ``out[slot]``."""
-    x = mod.reshape(mod.ascontiguousarray(X), (-1,))
-    ctas = max(1, min(-(-x.shape[0] // THREADS), _COUNT_CTAS_PER_SM * sms))
-    _build()["count"][ctas, THREADS, stream](x, out, slot)
+def _count(ctx, x, out) -> None:
+    """Launch the count of the flat ``x``'s NaN and Inf entries, one per CTA into ``out``
+    (``_count_ctas`` entries)."""
+    _launch(ctx, "count", str(x.dtype), out.shape[0], x, x.shape[0], out)
 
 
-def factor_scan(mod, stream, A, block: int):
+def factor_scan(ctx, A, block: int):
     """``(forbidden, row_any, first, col_any)`` of a square factor ``A`` as
     ``numba_cpu.factor_scan`` gives them (the arrays in ``mod``), or ``None`` for a dtype the
     kernel does not take."""
     if not _takes(A) or A.ndim != 2:
         return None
-    k = _build()
+    mod = ctx[0]
     A = mod.ascontiguousarray(A)
     n = A.shape[0]
     bad = mod.empty((n,), dtype=mod.float64)
     first = mod.empty((n,), dtype=mod.int64)
     col = mod.zeros((n,), dtype=mod.uint8)
-    unused = mod.zeros((1,), dtype=mod.int64)
-    k["scan"][n, THREADS, stream](A, n, int(block), True, bad, first, col, unused, -1)
+    _launch(ctx, "scan", str(A.dtype), n, A, n, n, int(block), 1, bad, first, col)
     return float(mod.max(bad)), first < n, first, col != 0
 
 
-def stack_forbidden(mod, stream, A, block: int):
+def stack_forbidden(ctx, A, block: int):
     """For each factor of the stack ``A`` (k, s, s): the largest ``|entry|`` on or above its
     diagonal or inside a diagonal ``block`` (``(k,)`` in ``mod``; 0 for ``L - I``), or
     ``None`` for a dtype the kernel does not take."""
     if not _takes(A) or A.ndim != 3:
         return None
-    kern = _build()
+    mod = ctx[0]
     k, s = A.shape[0], A.shape[-1]
-    A2 = mod.reshape(mod.ascontiguousarray(A), (k * s, s))
+    A = mod.ascontiguousarray(A)
     bad = mod.empty((k * s,), dtype=mod.float64)
     unused_first, unused_col = mod.zeros((1,), dtype=mod.int64), mod.zeros((1,), dtype=mod.uint8)
-    kern["scan"][k * s, THREADS, stream](A2, s, int(block), False, bad, unused_first,
-                                         unused_col, mod.zeros((1,), dtype=mod.int64), -1)
+    _launch(ctx, "scan", str(A.dtype), k * s, A, s, s, int(block), 0, bad, unused_first,
+            unused_col)
     return mod.max(mod.reshape(bad, (k, s)), axis=1)
 
 
-def input_checks(mod, stream, sms: int, arrays: dict, blocks: dict):
+def input_checks(ctx, arrays: dict, blocks: dict):
     """The statistics of ``bakron.solve``'s input checks in one go: for each array of
     ``arrays`` (name -> array) the number of NaN and Inf entries; for each factor named in
-    ``blocks`` (name -> block) the number of rows with a non-zero where ``L - I`` is zero,
-    and the first tile ``k`` that looks made with a coarser block (0: none; only where the
-    factor is larger than its block). Every kernel adds into one small array, read back once
-    (one synchronisation instead of one per statistic). ``None`` if an array's dtype is not
-    one the kernels take. Returns ``(nonfinite, forbidden_rows, coarse_tile)``, dicts."""
+    ``blocks`` (name -> block) the largest ``|entry|`` where ``L - I`` is zero (0 for a
+    factor) and the first tile ``k`` that looks made with a coarser block (0: none; only
+    where the factor is larger than its block). Every kernel writes its part of one float64
+    array (per-CTA counts, per-row maxima, per-tile flags), read back once: one
+    synchronisation instead of one per statistic. ``None`` if an array's dtype is not one
+    the kernels take. Returns ``(nonfinite, forbidden, coarse_tile)``, dicts by name."""
     if not all(_takes(X) and X.ndim == 2 for X in arrays.values()):
         return None
-    kern = _build()
-    names = list(arrays)
-    res = mod.zeros((len(names) + 2 * len(blocks),), dtype=mod.int64)
-    for i, name in enumerate(names):
-        _count(mod, stream, sms, arrays[name], res, i)
-    slots = {}
-    for j, (name, block) in enumerate(blocks.items()):
-        A = mod.ascontiguousarray(arrays[name])
-        n, block = A.shape[0], int(block)
-        f, c = len(names) + 2 * j, len(names) + 2 * j + 1
-        slots[name] = (f, c)
-        bad = mod.empty((n,), dtype=mod.float64)
+    mod = ctx[0]
+    flat = {name: mod.reshape(mod.ascontiguousarray(X), (-1,)) for name, X in arrays.items()}
+    regions, end = {}, 0
+    for name, x in flat.items():
+        regions[name, "count"] = (end, end + _count_ctas(ctx, x.shape[0]))
+        end = regions[name, "count"][1]
+    for name, block in blocks.items():
+        n = arrays[name].shape[0]
+        regions[name, "bad"] = (end, end + n)
+        regions[name, "coarse"] = (end + n, end + n + max(0, -(-n // int(block)) - 1))
+        end = regions[name, "coarse"][1]
+    buf = mod.empty((end,), dtype=mod.float64)
+    part = {key: buf[a:b] for key, (a, b) in regions.items()}
+    for name, x in flat.items():
+        _count(ctx, x, part[name, "count"])
+    for name, block in blocks.items():
+        A, n, block = mod.ascontiguousarray(arrays[name]), arrays[name].shape[0], int(block)
         first = mod.empty((n,), dtype=mod.int64)
         col = mod.zeros((n,), dtype=mod.uint8)
-        kern["scan"][n, THREADS, stream](A, n, block, True, bad, first, col, res, f)
-        if n > block:
-            kern["coarse"][-(-n // block) - 1, THREADS, stream](A, block, first, col, res, c)
-    host = res.get() if hasattr(res, "get") else res
-    nonfinite = {name: int(host[i]) for i, name in enumerate(names)}
-    forbidden = {name: int(host[f]) for name, (f, _) in slots.items()}
-    coarse = {name: (_FIRST - int(host[c]) if host[c] else 0) for name, (_, c) in slots.items()}
+        _launch(ctx, "scan", str(A.dtype), n, A, n, n, block, 1, part[name, "bad"], first, col)
+        tiles = part[name, "coarse"].shape[0]
+        if tiles:
+            _launch(ctx, "coarse", str(A.dtype), tiles, A, n, block, first, col,
+                    part[name, "coarse"])
+    host = _host(buf)
+    got = {key: host[a:b] for key, (a, b) in regions.items()}
+    nonfinite = {name: int(got[name, "count"].sum()) for name in flat}
+    forbidden = {name: float(got[name, "bad"].max()) for name in blocks}
+    coarse = {}
+    for name in blocks:
+        hit = np.flatnonzero(got[name, "coarse"])
+        coarse[name] = int(hit[0]) + 1 if hit.size else 0
     return nonfinite, forbidden, coarse

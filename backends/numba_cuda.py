@@ -351,7 +351,9 @@ class _DeviceSolve:
             if LAUNCH == "ptr":
                 kern = next(iter(kernel.overloads.values()))
                 try:
-                    kern.launch(args, (ctas, 1, 1), (nt, 1, 1), self.nstream, 0)
+                    from . import _cuda_launch
+                    _cuda_launch.launch(kern, self.dev, (ctas, 1, 1), (nt, 1, 1), self.nstream,
+                                        args)
                 except Exception as exc:  # pointer launch unsupported here: wrap arrays
                     if self.launches > 1:
                         raise
@@ -1092,29 +1094,29 @@ _SMS: dict = {}
 
 
 def _check_context():
-    """(array module, numba stream, SM count) for a check kernel on the current stream."""
+    """``(array module, numba stream, SM count, device)`` for a check kernel on the current
+    stream."""
     if SIM:
-        return np, 0, 1
+        return np, 0, 1, 0
     cupy = _cupy()
     dev = cupy.cuda.Device().id
     if dev not in _SMS:
         _SMS[dev] = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
-    return cupy, _numba_stream(cupy.cuda.get_current_stream().ptr, dev), _SMS[dev]
+    return cupy, _numba_stream(cupy.cuda.get_current_stream().ptr, dev), _SMS[dev], dev
 
 
 def count_nonfinite(X):
     """The number of NaN and Inf entries of a float32/float64 array in one kernel, for the
     input and result checks (``None`` for other arrays: the array-API check counts then)."""
     from . import _cuda_checks
-    return _cuda_checks.count_nonfinite(*_check_context(), X)
+    return _cuda_checks.count_nonfinite(_check_context(), X)
 
 
 def factor_scan(A, block: int):
     """The statistics the factor checks of ``bakron.solve`` need, in one kernel:
     ``(forbidden, row_any, first, col_any)`` as ``numba_cpu.factor_scan`` defines them."""
     from . import _cuda_checks
-    mod, stream, _ = _check_context()
-    return _cuda_checks.factor_scan(mod, stream, A, block)
+    return _cuda_checks.factor_scan(_check_context(), A, block)
 
 
 def input_checks(arrays: dict, blocks: dict):
@@ -1122,15 +1124,14 @@ def input_checks(arrays: dict, blocks: dict):
     array read back once: ``(nonfinite, forbidden_rows, coarse_tile)``, dicts by name
     (``_cuda_checks.input_checks``), or ``None`` for dtypes the kernels do not take."""
     from . import _cuda_checks
-    return _cuda_checks.input_checks(*_check_context(), arrays, blocks)
+    return _cuda_checks.input_checks(_check_context(), arrays, blocks)
 
 
 def stack_forbidden(A, block: int):
     """Per factor of a stack ``(k, s, s)``: the largest ``|entry|`` where ``L - I`` is zero
     (``(k,)``), in one kernel, for the stack layer's block-lower check."""
     from . import _cuda_checks
-    mod, stream, _ = _check_context()
-    return _cuda_checks.stack_forbidden(mod, stream, A, block)
+    return _cuda_checks.stack_forbidden(_check_context(), A, block)
 
 
 def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:

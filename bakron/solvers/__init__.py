@@ -194,8 +194,7 @@ def _check_input_values(xp, fast, W, factors) -> None:
             _check_strictly_lower(xp, A, block, name, scan)
             check_factor_block(xp, A, block, name, recorded, scan)
             continue
-        if stats[1][name]:  # the value for the message: one more pass, on the error path only
-            _check_strictly_lower(xp, A, block, name, _factor_scan(fast, A, block))
+        _refuse_not_strictly_lower(stats[1][name], block, name)
         check_factor_block(xp, A, block, name, recorded, coarse_tile=stats[2][name])
 
 
