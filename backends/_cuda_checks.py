@@ -20,7 +20,7 @@ import numpy as np
 
 from numba import cuda, float64, int64, types
 
-#: threads per CTA of both kernels (a power of two: the CTA reductions halve it); 8 under
+#: threads per CTA of the kernels (a power of two: the CTA reductions halve it); 8 under
 #: the simulator, whose threads are Python threads
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 THREADS = 8 if SIM else 128
@@ -165,8 +165,8 @@ _SOURCES = {"scan": _scan, "coarse": _coarse, "count": _count_kernel}
 
 
 def _kernel(name: str, dtname: str):
-    """Kernel ``name`` compiled for ``dtname`` (once): under the simulator the dispatcher,
-    compiled the compiled overload of its raw-pointer signature."""
+    """Kernel ``name`` for ``dtname``, made once: under the simulator its dispatcher; else
+    the compiled overload of its raw-pointer signature."""
     key = (name, "sim" if SIM else dtname)
     hit = _KERNELS.get(key)
     if hit is None:
@@ -204,6 +204,7 @@ def _host(x):
 
 
 def _count_ctas(ctx, size: int) -> int:
+    """CTAs of the grid-stride count over ``size`` entries (one partial count each)."""
     return max(1, min(-(-size // THREADS), _COUNT_CTAS_PER_SM * ctx[2]))
 
 

@@ -1120,8 +1120,8 @@ def factor_scan(A, block: int):
 
 
 def input_checks(arrays: dict, blocks: dict):
-    """The statistics of ``bakron.solve``'s input checks, all kernels adding into one small
-    array read back once: ``(nonfinite, forbidden_rows, coarse_tile)``, dicts by name
+    """The statistics of ``bakron.solve``'s input checks, every kernel writing its part of
+    one float64 array read back once: ``(nonfinite, forbidden, coarse_tile)``, dicts by name
     (``_cuda_checks.input_checks``), or ``None`` for dtypes the kernels do not take."""
     from . import _cuda_checks
     return _cuda_checks.input_checks(_check_context(), arrays, blocks)
