@@ -176,8 +176,8 @@ def _check_input_values(xp, fast, W, factors) -> None:
     """The checks that read the inputs' values, in this order: ``W`` and each factor finite,
     then each factor ``(A, block, name, recorded block)`` strictly block-lower and not made
     with a coarser block. Their statistics come from the compiled engine ``fast`` when there
-    is one: on the GPU one pass for all of them (``input_checks``: every kernel adds into one
-    small array, one synchronisation), on the CPU one compiled pass per array; else from
+    is one: on the GPU one pass for all of them (``input_checks``: every kernel writes its
+    part of one array, one synchronisation), on the CPU one compiled pass per array; else from
     array-API passes. The decisions and messages are the same either way."""
     factors = [f for f in factors if f[0] is not None]
     fused = getattr(fast, "input_checks", None)
