@@ -285,7 +285,7 @@ def input_checks(ctx, arrays: dict, blocks: dict):
     for name, x in flat.items():
         _count(ctx, x, part[name, "count"])
     for name, block in blocks.items():
-        A, n, block = mod.ascontiguousarray(arrays[name]), arrays[name].shape[0], int(block)
+        A, n, block = flat[name], arrays[name].shape[0], int(block)  # C order, flattened
         first = mod.empty((n,), dtype=mod.int64)
         col = mod.zeros((n,), dtype=mod.uint8)
         _launch(ctx, "scan", str(A.dtype), n, A, n, n, block, 1, part[name, "bad"], first, col)

@@ -348,6 +348,9 @@ def test_sim_fused_input_checks_decide_as_the_array_api_checks():
         if made == 3:
             A[1, 1], A[7, 15], A[10, 9] = 0.5, -2.0, 0.25  # diagonal, above, inside a block
         nonfinite, forbidden, coarse = nc.input_checks({"W": W, "A_in": A}, {"A_in": b})
+        # a non-contiguous factor is read in C order too
+        assert nc.input_checks({"W": W, "A_in": np.asfortranarray(A)},
+                               {"A_in": b}) == (nonfinite, forbidden, coarse)
         assert nonfinite == {"W": 2, "A_in": 0}
         i = np.arange(n)
         zero_part = (i[None, :] >= i[:, None]) | (i[None, :] // b == i[:, None] // b)
