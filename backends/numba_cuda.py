@@ -111,6 +111,20 @@ STACK = os.environ.get("BAKRON_CUDA_STACK", "1") == "1"
 STEP = os.environ.get("BAKRON_CUDA_STEP", "auto")
 PER_THREAD = os.environ.get("BAKRON_CUDA_PER_THREAD", "0")
 LAUNCH = os.environ.get("BAKRON_CUDA_LAUNCH", "array" if SIM else "ptr")
+#: The wavefront's gather GEMMs (long K, a few large outputs) are split along K into
+#: partial products, summed by one small kernel, into ``GATHER_TILES // t`` chunks when a
+#: coarse step's blocks are at least ``GATHER_MIN_SIDE`` a side and one item's outputs cover
+#: ``t`` tiles of 128 x 128: more CTAs for cuBLAS, and the K chunks that meet only zeros of
+#: ``A_I`` are left out (0: never split; docs/engines.md, "Zeros and parallelism in the
+#: wavefront's GEMMs"). The rule looks at one item only, so a stack's items are split as
+#: their single solves are (and equal them bitwise).
+GATHER_TILES = _int_option("BAKRON_CUDA_GATHER_TILES", 512, 0)
+GATHER_MIN_SIDE = _int_option("BAKRON_CUDA_GATHER_MIN_SIDE", 128, 1)
+#: At most this many K chunks per gather.
+GATHER_SPLIT_MAX = _int_option("BAKRON_CUDA_GATHER_SPLIT", 8, 1)
+#: The scatter GEMMs' output rows in chunks of this many coarse block rows, leaving out the
+#: chunks where ``A_O`` is zero (0: one entry per block over the group's rows, as before).
+SCATTER_ROWS = _int_option("BAKRON_CUDA_SCATTER_ROWS", 1, 0)
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
 #: (the recursion's base, the wavefront's coarse block). Measured: docs/benchmarks/h200.md.
@@ -539,7 +553,8 @@ def _numba_stream(ptr: int, dev: int):
 _PLANS: "OrderedDict" = None
 _PLAN_MAX = 32
 _PTRK = None
-_BUFS = ("Yg", "AI", "AO", "E", "Fb")
+_SUMK = None
+_BUFS = ("Yg", "AI", "AO", "E", "Fb", "Fp")
 
 
 def _cached(key, build):
@@ -585,7 +600,8 @@ def _period(shapes) -> int:
 
 def _key(r: _DeviceSolve, method: str, base: int):
     p = r.p
-    return (method, base, p.m, p.n, p.tx, p.ty, p.two_sided, r.dev, SIM)
+    return (method, base, p.m, p.n, p.tx, p.ty, p.two_sided, r.dev, SIM, GATHER_TILES,
+            GATHER_MIN_SIDE, GATHER_SPLIT_MAX, SCATTER_ROWS)
 
 
 def _antidiagonal(r: _DeviceSolve) -> None:
@@ -613,8 +629,10 @@ class _WavePlan:
         two = p.two_sided
         coarse = two_level(p.M, p.N, cs, two)
         Sr, Sc = cs * p.tx, cs * p.ty
-        self.fb_size = max(len(step.blocks) for step in coarse) * Sr * Sc
-        steps, desc_rows, entries, ops = [], [], [], []
+        per = Sr * Sc
+        nblk = max(len(step.blocks) for step in coarse)
+        self.fb_size = fb = nblk * per
+        steps, desc_rows, entries, ops, counts = [], [], [], [], []
 
         def plan_gemm(ta, tb, M, N, K, beta, A, B, C_, ent):
             """Row-major C = op(A) op(B) + beta C per entry; A/B/C: (buffer, ld);
@@ -628,16 +646,25 @@ class _WavePlan:
             for j, b in enumerate(step.blocks):
                 hw = (R[b.rb] - R[b.ra], C[b.cb] - C[b.ca])
                 shapes.setdefault(hw, []).append((j, b))
-            before, after = [], []
+            before, after, reduce = [], [], None
             if step.gather and two:
                 # base targets of every block of the step from Yg (the accumulator form):
                 # Fb_j = Yg[rows, c0:] A_I[c0:, cols]; A_I is zero above a block's columns,
                 # so one K range (from the group's leftmost block) serves the whole batch
-                for (h, w), grp in shapes.items():
-                    c0 = C[min(b.ca for _, b in grp)]
-                    ent = [(R[b.ra] * n + c0, c0 * n + C[b.ca], j * Sr * Sc) for j, b in grp]
-                    before.append(plan_gemm(False, False, h, w, n - c0, 0.0,
-                                            ("Yg", n), ("AI", n), ("Fb", Sc), ent))
+                tiles = sum(-(-h // 128) * -(-w // 128) * len(grp)
+                            for (h, w), grp in shapes.items())
+                large = min(min(hw) for hw in shapes) >= GATHER_MIN_SIDE
+                split = min(GATHER_SPLIT_MAX, GATHER_TILES // tiles) if large else 1
+                if split >= 2:
+                    reduce = len(counts)
+                    counts.append(self._split_gather(shapes, split, n, Sc, per, nblk, C, R,
+                                                     plan_gemm, before))
+                else:
+                    for (h, w), grp in shapes.items():
+                        c0 = C[min(b.ca for _, b in grp)]
+                        ent = [(R[b.ra] * n + c0, c0 * n + C[b.ca], j * per) for j, b in grp]
+                        before.append(plan_gemm(False, False, h, w, n - c0, 0.0,
+                                                ("Yg", n), ("AI", n), ("Fb", Sc), ent))
             elif step.gather:
                 b = step.blocks[0]
                 c0, c1 = C[b.ca], C[b.cb]
@@ -647,13 +674,17 @@ class _WavePlan:
             flags = (HAS_F if before else 0) | (HAS_YG if two else 0)
             start = len(desc_rows)
             for j, b in enumerate(step.blocks):
-                f_off = j * Sr * Sc if two else R[b.ra] * Sc
+                f_off = j * per if two else R[b.ra] * Sc
                 desc_rows.append(block_row(b.ra, b.rb, b.ca, b.cb, f_off, Sc))
             if step.scatter:
                 # push the errors: Yg[0:Rg, cols] += A_O[rows, 0:Rg]^T E_block (A_O is zero
                 # right of a block's rows, so the group's lowest block sets Rg); the kernel
                 # has added the identity part E_block already
                 for (h, w), grp in shapes.items():
+                    if SCATTER_ROWS:
+                        self._split_scatter(grp, h, w, m, n, R, C, cs * SCATTER_ROWS * p.tx,
+                                            plan_gemm, after)
+                        continue
                     Rg = R[max(b.rb for _, b in grp)]
                     ent = [(R[b.ra] * m, R[b.ra] * n + C[b.ca], C[b.ca]) for _, b in grp]
                     after.append(plan_gemm(True, False, Rg, w, h, 1.0,
@@ -662,9 +693,13 @@ class _WavePlan:
             grid = _widths((b.shape for b in step.blocks), two)
             span = (max(b.shape[0] for b in step.blocks), max(b.shape[1] for b in step.blocks))
             steps.append((start, len(step.blocks), nsteps, grid, flags, before, after,
-                          _period(b.shape for b in step.blocks), span))
+                          _period(b.shape for b in step.blocks), span, reduce))
         self.steps = steps
         self.ops = ops
+        #: partial products of the split gathers: slices of ``fb`` per item
+        self.slices = max([int(c.max()) for c in counts] + [0])
+        self.counts = np.array(counts, dtype=np.int64).reshape(len(counts), nblk)
+        self.per = per
         kb = max([len(e) for e in entries] + [1])
         offs = np.zeros((3 * len(ops), kb), dtype=np.int64)
         bidx = np.zeros((3 * len(ops), 1), dtype=np.int64)
@@ -678,9 +713,57 @@ class _WavePlan:
         self.batched = any(op[11] > 1 for op in ops)
         self.desc_rows = np.array(desc_rows, dtype=np.int64).reshape(-1, DESC)
         self.desc = r.device_table(self.desc_rows.reshape(-1))
+        self.counts_dev = r.device_table(self.counts) if len(counts) and not SIM else None
         if not SIM and self.batched:
             self.offs_dev = r.device_table(offs)
             self.bidx_dev = r.device_table(bidx)
+
+    @staticmethod
+    def _split_gather(shapes, split, n, Sc, per, nblk, C, R, plan_gemm, before):
+        """The gather of one step as partial products over ``split`` K chunks of whole block
+        columns: entry (block j, chunk t) writes slice ``t - first_j`` of ``Fp`` (block j's
+        place in it as in ``Fb``), where ``first_j`` is the first chunk that reaches block j's
+        columns (``A_I`` is zero above them). Returns the slices per block, which the sum
+        kernel adds into ``Fb`` in chunk order."""
+        count = np.zeros(nblk, dtype=np.int64)
+        for (h, w), grp in shapes.items():
+            c0 = C[min(b.ca for _, b in grp)]
+            K = n - c0
+            cols = -(-K // Sc)  # block columns in the K range (the last may be narrower)
+            q = -(-cols // split) * Sc  # chunk length: whole block columns
+            by_len: dict = {}
+            for t in range(-(-K // q)):
+                k0 = t * q
+                kl = min(q, K - k0)
+                for j, b in grp:
+                    first = (C[b.ca] - c0) // q
+                    if t < first:
+                        continue  # only zeros of A_I in this chunk
+                    by_len.setdefault(kl, []).append(
+                        (R[b.ra] * n + c0 + k0, (c0 + k0) * n + C[b.ca],
+                         (t - first) * nblk * per + j * per))
+                    count[j] = t - first + 1
+            for kl, ent in by_len.items():
+                before.append(plan_gemm(False, False, h, w, kl, 0.0,
+                                        ("Yg", n), ("AI", n), ("Fp", Sc), ent))
+        return count
+
+    @staticmethod
+    def _split_scatter(grp, h, w, m, n, R, C, rows, plan_gemm, after):
+        """The scatter of one shape group with its output rows in chunks of ``rows`` rows,
+        each block's entries only for the chunks above its last row (``A_O[rows_j, a]`` is
+        zero for ``a`` at or below it); every entry's product is the one of the whole-range
+        entry, restricted to its rows."""
+        by_len: dict = {}
+        for _, b in grp:
+            top = R[b.rb]
+            for r0 in range(0, top, rows):
+                ml = min(rows, top - r0)
+                by_len.setdefault(ml, []).append((R[b.ra] * m + r0, R[b.ra] * n + C[b.ca],
+                                                  r0 * n + C[b.ca]))
+        for ml, ent in by_len.items():
+            after.append(plan_gemm(True, False, ml, w, h, 1.0, ("AO", m), ("E", n),
+                                   ("Yg", n), ent))
 
 
 def _pointers(r: _DeviceSolve, plan: _WavePlan, bufs: dict):
@@ -688,35 +771,88 @@ def _pointers(r: _DeviceSolve, plan: _WavePlan, bufs: dict):
     element-wise launch with the base addresses as scalars: no host-to-device copy)."""
     global _PTRK
     base = [0 if bufs[b] is None else int(bufs[b].data.ptr) for b in _BUFS]
-    r.host_ptrs = plan.offs * r.isz + np.array(base, dtype=np.int64)[plan.bidx[:, 0]][:, None]
+    # the first entry of each row only: calls of one entry take host pointers (the whole
+    # table of a stack with row-split scatters is millions of entries)
+    r.host_ptrs = (plan.offs[:, :1] * r.isz
+                   + np.array(base, dtype=np.int64)[plan.bidx[:, 0]][:, None])
     if not plan.batched:
         return None
     import cupy
     if _PTRK is None:
         _PTRK = cupy.ElementwiseKernel(
-            "int64 off, int64 bi, int64 isz, int64 b0, int64 b1, int64 b2, int64 b3, int64 b4",
+            "int64 off, int64 bi, int64 isz, int64 b0, int64 b1, int64 b2, int64 b3, "
+            "int64 b4, int64 b5",
             "int64 ptr",
-            "ptr = off * isz + (bi == 0 ? b0 : bi == 1 ? b1 : bi == 2 ? b2 : bi == 3 ? b3 : b4)",
+            "ptr = off * isz + (bi == 0 ? b0 : bi == 1 ? b1 : bi == 2 ? b2 : bi == 3 ? b3 "
+            ": bi == 4 ? b4 : b5)",
             "bakron_gemm_pointers")
     return _PTRK(plan.offs_dev, plan.bidx_dev, r.isz, *base)
 
 
-def _wavefront(r: _DeviceSolve, cs: int) -> None:
-    """The two-level wavefront: one launch per coarse step, batched GEMMs around it."""
+def _sum_partials(r: _DeviceSolve, plan, reduce: int, items: int) -> None:
+    """``Fb`` of every item = the sum of its split gather's partial products in ``Fp``, in
+    chunk order (block j of the step adds ``plan.counts[reduce, j]`` slices; 0 gives 0)."""
+    global _SUMK
+    fb, per, slices = plan.fb_size, plan.per, plan.slices
+    Fp, Fb = r.buffers["Fp"], r.buffers["Fb"]
+    if SIM:
+        cnt = plan.counts[reduce]
+        for it in range(items):
+            for j, c in enumerate(cnt):
+                at = it * fb + j * per
+                acc = np.zeros(per, dtype=Fb.dtype)
+                for t in range(int(c)):
+                    src = it * slices * fb + t * fb + j * per
+                    acc += Fp[src:src + per]
+                Fb[at:at + per] = acc
+        return
+    import cupy
+    if _SUMK is None:
+        _SUMK = cupy.ElementwiseKernel(
+            "raw T parts, raw int64 cnt, int64 fb, int64 per, int64 slices", "T out",
+            "const long long it = i / fb; const long long pos = i - it * fb; "
+            "const long long c = cnt[pos / per]; const long long at = it * slices * fb + pos; "
+            "T acc = 0; for (long long t = 0; t < c; ++t) { acc += parts[at + t * fb]; } "
+            "out = acc;",
+            "bakron_sum_partials")
+    _SUMK(Fp, plan.counts_dev[reduce], fb, per, slices, Fb)
+
+
+def _wave_buffers(r: _DeviceSolve, plan, items: int, stack: bool) -> None:
+    """The wavefront's work arrays for ``items`` items: ``E``, the accumulator ``Yg``, the
+    base targets ``Fb`` and the split gathers' partial products ``Fp`` (a single solve's
+    ``E`` and ``Yg`` as matrices, a stack's flat)."""
     p = r.p
     mod = r.mod
-    plan = _cached(_key(r, "wavefront", cs), lambda: _WavePlan(r, cs))
-    r.E = mod.empty((p.m, p.n), dtype=p.W.dtype)
-    Yg = mod.zeros((p.m, p.n), dtype=p.W.dtype) if p.two_sided else None
-    Fb = mod.empty((plan.fb_size,), dtype=p.W.dtype)
-    r.buffers = {"Yg": Yg, "AI": r.AI, "AO": r.AO, "E": r.E, "Fb": Fb}
+    shape = (items * p.m * p.n,) if stack else (p.m, p.n)
+    r.E = mod.empty(shape, dtype=p.W.dtype)
+    Yg = mod.zeros(shape, dtype=p.W.dtype) if p.two_sided else None
+    Fb = mod.empty((items * plan.fb_size,), dtype=p.W.dtype)
+    Fp = (mod.empty((items * plan.slices * plan.fb_size,), dtype=p.W.dtype)
+          if plan.slices else None)
+    r.buffers = {"Yg": Yg, "AI": r.AI, "AO": r.AO, "E": r.E, "Fb": Fb, "Fp": Fp}
+
+
+def _run_steps(r: _DeviceSolve, plan, items: int) -> None:
+    """Execute a (stack) wavefront plan: per coarse step its gathers (and the sum of split
+    ones), one launch, its scatters."""
     ptrs = plan.offs if SIM else _pointers(r, plan, r.buffers)
-    for start, k, nsteps, grid, flags, before, after, period, span in plan.steps:
+    Fb, Yg = r.buffers["Fb"], r.buffers["Yg"]
+    for start, k, nsteps, grid, flags, before, after, period, span, reduce in plan.steps:
         for g in before:
             r.gemm_batched(plan.ops[g], ptrs)
+        if reduce is not None:
+            _sum_partials(r, plan, reduce, items)
         r.launch(plan.desc, start, k, nsteps, grid, flags, Fb, Yg, period=period, span=span)
         for g in after:
             r.gemm_batched(plan.ops[g], ptrs)
+
+
+def _wavefront(r: _DeviceSolve, cs: int) -> None:
+    """The two-level wavefront: one launch per coarse step, batched GEMMs around it."""
+    plan = _cached(_key(r, "wavefront", cs), lambda: _WavePlan(r, cs))
+    _wave_buffers(r, plan, 1, False)
+    _run_steps(r, plan, 1)
 
 
 def _recursive(r: _DeviceSolve, base: int) -> None:
@@ -940,20 +1076,21 @@ class _StackWavePlan:
     """The two-level plan of one item (``_WavePlan``) repeated over the items of a stack
     chunk: each coarse step's descriptors hold every item's blocks (item after item, so the
     launch's period is one item's blocks) and each planned GEMM's batch holds every item's
-    entries, shifted by the item's offsets in ``E``/``Yg``/``Fb``/``A_I``/``A_O``."""
+    entries, shifted by the item's offsets in ``E``/``Yg``/``Fb``/``Fp``/``A_I``/``A_O``."""
 
     def __init__(self, r: "_StackSolve", plan: _WavePlan):
         nb, mn, fb = r.nb, r.m * r.n, plan.fb_size
         j = np.arange(nb, dtype=np.int64)
-        item_off = {"Yg": j * mn, "E": j * mn, "Fb": j * fb,
+        item_off = {"Yg": j * mn, "E": j * mn, "Fb": j * fb, "Fp": j * plan.slices * fb,
                     "AI": r.item_desc[:, DESC_AI_OFFSET], "AO": r.item_desc[:, DESC_AO_OFFSET]}
-        self.fb_size = fb
+        self.fb_size, self.per, self.slices = fb, plan.per, plan.slices
+        self.counts, self.counts_dev = plan.counts, plan.counts_dev
         desc, steps, first = [], [], 0
-        for start, k, nsteps, grid, flags, before, after, period, span in plan.steps:
+        for start, k, nsteps, grid, flags, before, after, period, span, reduce in plan.steps:
             desc.append(r.blocks(plan.desc_rows[start:start + k], fb))
             # the items repeat one item's blocks, so the item's period is the stack's
             steps.append((first, k * nb, nsteps, (grid[0] * nb, grid[1] * nb), flags, before,
-                          after, period, span))
+                          after, period, span, reduce))
             first += k * nb
         self.steps = steps
         self.ops = []
@@ -978,24 +1115,12 @@ class _StackWavePlan:
 def _stack_wavefront(r: "_StackSolve", cs: int) -> str:
     """The two-level wavefront of every item at once: per coarse step, batched GEMMs over
     every item's blocks, one launch, batched GEMMs."""
-    p = r.p
-    mod = r.mod
     plan = _cached(_key(r, "wavefront", cs), lambda: _WavePlan(r, cs))
     # the stack plan depends on the items' offsets too: cached for repeated stacks alike
     sp = _cached(_key(r, "wavefront", cs) + (r.item_desc.tobytes(),),
                  lambda: _StackWavePlan(r, plan))
-    mn = p.m * p.n
-    r.E = mod.empty((r.nb * mn,), dtype=p.W.dtype)
-    Yg = mod.zeros((r.nb * mn,), dtype=p.W.dtype) if p.two_sided else None
-    Fb = mod.empty((r.nb * sp.fb_size,), dtype=p.W.dtype)
-    r.buffers = {"Yg": Yg, "AI": r.AI, "AO": r.AO, "E": r.E, "Fb": Fb}
-    ptrs = sp.offs if SIM else _pointers(r, sp, r.buffers)
-    for first, k, nsteps, grid, flags, before, after, period, span in sp.steps:
-        for g in before:
-            r.gemm_batched(sp.ops[g], ptrs)
-        r.launch(sp.desc, first, k, nsteps, grid, flags, Fb, Yg, period=period, span=span)
-        for g in after:
-            r.gemm_batched(sp.ops[g], ptrs)
+    _wave_buffers(r, sp, r.nb, True)
+    _run_steps(r, sp, r.nb)
     return (f"one launch per coarse step for {r.nb} items: {len(sp.steps)} coarse steps of "
             f"base {cs}, each batched GEMMs over every item's blocks, one launch, batched "
             f"GEMMs")

@@ -409,6 +409,58 @@ def test_sim_launch_period_of_equal_blocks(monkeypatch):
 
 
 @sim_only
+@pytest.mark.parametrize("m,n", [(16, 16), (13, 15)])
+def test_sim_split_gemms_leave_out_only_zeros(monkeypatch, m, n):
+    """The wavefront's gathers split along K (partial products summed by a small kernel) and
+    its scatters split by output rows (``GATHER_TILES``, ``GATHER_SPLIT_MAX``,
+    ``SCATTER_ROWS``) give the results of the unsplit GEMMs (float64: the values and codes
+    of the array-API path; targets to rounding), ragged tiles and chunks included, with fewer
+    multiply-adds: only products with zeros of the factors are left out."""
+    from bakron.backends import numba_cuda as nc
+    W, AO, AI, q = _problem(7, m, n, 2, 2)
+    ref = bakron.solve(W, AO, AI, q, tile=(2, 2), engine="array_api", method="naive",
+                       return_targets=True)
+    monkeypatch.setattr(nc, "GATHER_MIN_SIDE", 1)  # blocks of 4 x 4 here
+    macs = {}
+    for name, tiles, split, rows in (("unsplit", 0, 8, 0), ("partials in 3", 512, 3, 0),
+                                     ("partials and rows", 512, 8, 1), ("rows by 2", 0, 8, 2)):
+        monkeypatch.setattr(nc, "GATHER_TILES", tiles)
+        monkeypatch.setattr(nc, "GATHER_SPLIT_MAX", split)
+        monkeypatch.setattr(nc, "SCATTER_ROWS", rows)
+        r = _cuda(W, AO, AI, q, (2, 2), "wavefront", 2, return_targets=True)
+        np.testing.assert_array_equal(r.values, ref.values, err_msg=name)
+        np.testing.assert_array_equal(r.codes, ref.codes, err_msg=name)
+        np.testing.assert_allclose(r.targets, ref.targets, rtol=1e-12, atol=1e-12,
+                                   err_msg=name)
+        plan = nc._PLANS[("wavefront", 2, m, n, 2, 2, True, 0, True, tiles, 1, split, rows)]
+        macs[name] = sum(op[2] * op[3] * op[4] * op[11] for op in plan.ops)
+        partial = [op for op in plan.ops if op[9][0] == "Fp"]
+        assert bool(partial) == (tiles > 0) and (plan.slices > 1) == (tiles > 0), name
+        assert plan.slices <= split
+        if rows:
+            assert max(op[2] for op in plan.ops if op[0]) <= rows * 2 * 2  # x base x tile
+    unsplit = macs.pop("unsplit")
+    assert all(v < unsplit for v in macs.values()), (unsplit, macs)
+    assert macs["partials and rows"] < macs["partials in 3"]
+    # a stack's items split as their single solves do (the rule looks at one item), so
+    # they equal them bitwise; blocks narrower than GATHER_MIN_SIDE are not split
+    monkeypatch.setattr(nc, "GATHER_TILES", 512)
+    monkeypatch.setattr(nc, "SCATTER_ROWS", 1)
+    Ws, AOs, AIs, qs = _stack(3, 3, m, n, 2, 2)
+    res = bakron.solve(Ws, AOs, AIs, qs, tile=(2, 2), engine="cuda", method="wavefront",
+                       base=2)
+    assert res.info["stack"]["path"] == "engine solve_stack"
+    for i in range(3):
+        one = _cuda(Ws[i], AOs[i], AIs[i], qs[i], (2, 2), "wavefront", 2)
+        np.testing.assert_array_equal(res.values[i], one.values, err_msg=f"item {i}")
+        np.testing.assert_array_equal(res.codes[i], one.codes, err_msg=f"item {i}")
+    assert nc._PLANS[("wavefront", 2, m, n, 2, 2, True, 0, True, 512, 1, 8, 1)].slices > 1
+    monkeypatch.setattr(nc, "GATHER_MIN_SIDE", 5)
+    _cuda(W, AO, AI, q, (2, 2), "wavefront", 2)
+    assert nc._PLANS[("wavefront", 2, m, n, 2, 2, True, 0, True, 512, 5, 8, 1)].slices == 0
+
+
+@sim_only
 def test_sim_float32_agrees_up_to_near_ties():
     W, AO, AI, q = _problem(11, 12, 12, 3, 3)
     W32, AO32, AI32 = (x.astype(np.float32) for x in (W, AO, AI))
