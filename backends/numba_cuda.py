@@ -37,12 +37,14 @@ pointer for every item). ``antidiagonal``: one launch for the whole chunk, ``M +
 steps, each over every item's tiles; ``wavefront``: per coarse step batched GEMMs, one
 launch, batched GEMMs, for all items. The recursion has no stack form (its chunks run item by
 item). Extra memory: ``E`` and the accumulator per item (``2 m n``), plus one coarse diagonal
-of base targets for the wavefront.
+of base targets for the wavefront and, for blocks of at least ``GATHER_MIN_SIDE``, its partial
+products (at most ``m n`` more per item).
 
 Memory beyond the inputs, the factors and the outputs (``Ŵ``, int16 codes): ``E`` (m n) plus
 ``Yg`` (m n) for the wavefront, ``F`` (m n) for the recursion, a scratch (m n) for the
 anti-diagonal; the wavefront adds one coarse diagonal of base targets (at most
-``min(M_c, N_c)`` blocks).
+``min(M_c, N_c)`` blocks) and, when its gathers are split, their partial products (up to
+``GATHER_SPLIT_MAX`` times that, at most about m n).
 
 Options (module attributes, or environment variables read at import):
 
@@ -65,6 +67,12 @@ Options (module attributes, or environment variables read at import):
 * ``STACK`` (``BAKRON_CUDA_STACK``, default 1): the stack hook ``solve_stack`` (every launch
   and GEMM covers all items of a stack chunk, docs/stacks.md); 0 declines every stack, so
   the stack layer solves the items one by one (what the benchmark compares against).
+* ``SCATTER_ROWS`` (``BAKRON_CUDA_SCATTER_ROWS``, default 1), ``GATHER_TILES``
+  (``BAKRON_CUDA_GATHER_TILES``, default 512), ``GATHER_MIN_SIDE`` (default 128),
+  ``GATHER_SPLIT_MAX`` (``BAKRON_CUDA_GATHER_SPLIT``, default 8): how the wavefront's
+  GEMMs leave out the factors' zeros (scatters by block rows, gathers as partial products
+  over K; 0 turns either off; docs/engines.md, "Zeros and parallelism in the wavefront's
+  GEMMs").
 """
 from __future__ import annotations
 
@@ -1172,7 +1180,8 @@ def solve_stack(chunk):
 
     Declines when the method has no stack form here (:func:`stack_method`), for the
     ``direct`` variant, when the items' quantizers differ in kind, or when the outputs are
-    not contiguous. Extra memory: ``E`` and the local accumulator, ``2 m n`` per item."""
+    not contiguous. Extra memory: ``E`` and the local accumulator, ``2 m n`` per item, and
+    the wavefront's base targets with their partial products (at most about ``m n`` more)."""
     from bakron import _xp
     from bakron.solvers._problem import Problem
 
