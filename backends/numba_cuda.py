@@ -68,11 +68,11 @@ Options (module attributes, or environment variables read at import):
   and GEMM covers all items of a stack chunk, docs/stacks.md); 0 declines every stack, so
   the stack layer solves the items one by one (what the benchmark compares against).
 * ``SCATTER_ROWS`` (``BAKRON_CUDA_SCATTER_ROWS``, default 1), ``GATHER_TILES``
-  (``BAKRON_CUDA_GATHER_TILES``, default 512), ``GATHER_MIN_SIDE`` (default 128),
-  ``GATHER_SPLIT_MAX`` (``BAKRON_CUDA_GATHER_SPLIT``, default 8): how the wavefront's
-  GEMMs leave out the factors' zeros (scatters by block rows, gathers as partial products
-  over K; 0 turns either off; docs/engines.md, "Zeros and parallelism in the wavefront's
-  GEMMs").
+  (``BAKRON_CUDA_GATHER_TILES``, default 512), ``GATHER_MIN_SIDE``
+  (``BAKRON_CUDA_GATHER_MIN_SIDE``, default 128), ``GATHER_SPLIT_MAX``
+  (``BAKRON_CUDA_GATHER_SPLIT``, default 8): how the wavefront's GEMMs leave out the
+  factors' zeros (scatters by block rows, gathers as partial products over K; 0 turns
+  either off; docs/engines.md, "Zeros and parallelism in the wavefront's GEMMs").
 """
 from __future__ import annotations
 
