@@ -302,3 +302,41 @@ def input_checks(ctx, arrays: dict, blocks: dict):
         hit = np.flatnonzero(got[name, "coarse"])
         coarse[name] = int(hit[0]) + 1 if hit.size else 0
     return nonfinite, forbidden, coarse
+
+
+def stack_checks(ctx, arrays: dict, blocks: dict):
+    """The statistics of the stack layer's input checks in one go: for each stack of
+    ``arrays`` (name -> ``(k, r, c)`` array) the number of NaN and Inf entries; for each
+    factor stack named in ``blocks`` (name -> block) the largest ``|entry|`` of each factor
+    where ``L - I`` is zero (``(k,)`` on the host, 0 for a factor). Every kernel writes its
+    part of one float64 array, read back once (one synchronisation instead of one per
+    statistic). ``None`` if an array is empty or of a dtype the kernels do not take. Returns
+    ``(nonfinite, forbidden)``, dicts by name."""
+    if not all(_takes(X) and X.ndim == 3 for X in arrays.values()):
+        return None
+    mod = ctx[0]
+    flat = {name: mod.reshape(mod.ascontiguousarray(X), (-1,)) for name, X in arrays.items()}
+    regions, end = {}, 0
+    for name, x in flat.items():
+        regions[name, "count"] = (end, end + _count_ctas(ctx, x.shape[0]))
+        end = regions[name, "count"][1]
+    for name in blocks:
+        k, s = arrays[name].shape[0], arrays[name].shape[-1]
+        regions[name, "bad"] = (end, end + k * s)
+        end += k * s
+    buf = mod.empty((end,), dtype=mod.float64)
+    part = {key: buf[a:b] for key, (a, b) in regions.items()}
+    for name, x in flat.items():
+        _count(ctx, x, part[name, "count"])
+    unused_first = mod.zeros((1,), dtype=mod.int64)
+    unused_col = mod.zeros((1,), dtype=mod.uint8)
+    for name, block in blocks.items():
+        k, s = arrays[name].shape[0], arrays[name].shape[-1]
+        _launch(ctx, "scan", str(flat[name].dtype), k * s, flat[name], s, s, int(block), 0,
+                part[name, "bad"], unused_first, unused_col)
+    host = _host(buf)
+    got = {key: host[a:b] for key, (a, b) in regions.items()}
+    nonfinite = {name: int(got[name, "count"].sum()) for name in flat}
+    forbidden = {name: got[name, "bad"].reshape(arrays[name].shape[0], -1).max(axis=1)
+                 for name in blocks}
+    return nonfinite, forbidden

@@ -1268,6 +1268,14 @@ def stack_forbidden(A, block: int):
     return _cuda_checks.stack_forbidden(_check_context(), A, block)
 
 
+def stack_checks(arrays: dict, blocks: dict):
+    """The statistics of the stack layer's input checks, every kernel writing its part of
+    one float64 array read back once: ``(nonfinite, forbidden)``, dicts by name
+    (``_cuda_checks.stack_checks``), or ``None`` for arrays the kernels do not take."""
+    from . import _cuda_checks
+    return _cuda_checks.stack_checks(_check_context(), arrays, blocks)
+
+
 def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:
     """Compile the kernels (a few seconds each) so that the first solve is not slower."""
     for dt in dtypes:

@@ -375,6 +375,57 @@ def test_sim_fused_input_checks_decide_as_the_array_api_checks():
 
 
 @sim_only
+def test_sim_fused_stack_checks_decide_as_the_passes(monkeypatch):
+    """The stack layer with the GPU engine's ``stack_checks`` (every statistic of its input
+    checks, one read-back) accepts what the per-array passes accept and raises their errors
+    in their order: NaN/Inf in W or a factor, a factor that is not ``L - I``, a stack of
+    one; ``stack_checks`` counts and scans as ``count_nonfinite`` / ``stack_forbidden``."""
+    from bakron import solvers
+    from bakron.backends import numba_cuda as nc
+    W, AO, AI, qs = _stack(4, 4, 9, 7, 3, 1)
+    W32 = W.astype(np.float32)
+    nonfinite, forbidden = nc.stack_checks({"W": W32, "A_in": AI}, {"A_in": 1})
+    assert nonfinite == {"W": 0, "A_in": 0} and forbidden["A_in"].shape == (4,)
+    AI_bad = AI.copy()
+    AI_bad[2, 0, 5], AI_bad[3, 1, 1] = 0.5, np.inf  # above the diagonal; on it, not finite
+    W_bad = W32.copy()
+    W_bad[1, 2, 3] = np.nan
+    nonfinite, forbidden = nc.stack_checks({"W": W_bad, "A_in": AI_bad}, {"A_in": 1})
+    assert nonfinite == {"W": 1, "A_in": nc.count_nonfinite(AI_bad)} == {"W": 1, "A_in": 1}
+    np.testing.assert_array_equal(forbidden["A_in"], nc.stack_forbidden(AI_bad, 1))
+    assert nc.stack_checks({"W": W32[:0]}, {}) is None  # empty: the passes decide
+
+    calls = []
+
+    class Fused:  # the GPU engine's checks, on the simulator's numpy arrays
+        @staticmethod
+        def stack_checks(arrays, blocks):
+            calls.append(sorted(arrays))
+            return nc.stack_checks(arrays, blocks)
+
+    def errors(fast):
+        monkeypatch.setattr(solvers, "_compiled", lambda xp, engine: fast)
+        out = []
+        for w, ao, ai in ((W, AO, AI), (W_bad, AO, AI), (W, AO, AI_bad),
+                          (W, AO, np.where(np.isinf(AI_bad), 0.0, AI_bad)),
+                          (W[:1], AO[:1], AI_bad[2:3])):
+            try:
+                r = bakron.solve(w.astype(W.dtype), ao, ai, qs[:w.shape[0]], tile=(3, 1),
+                                 engine="array_api")
+                out.append(("ok", float(np.abs(r.values).sum())))
+            except ValueError as exc:
+                out.append(("error", str(exc)))
+        return out
+
+    fused = errors(Fused)
+    assert len(calls) == 5 and calls[0] == ["A_in", "A_out", "W"]
+    assert fused == errors(None)
+    assert [kind for kind, _ in fused] == ["ok", "error", "error", "error", "error"]
+    assert "W contains 1 NaN" in fused[1][1] and "A_in contains 1 NaN or Inf" in fused[2][1]
+    assert "A_in[2] (flattened stack)" in fused[3][1] and fused[4][1].startswith("A_in")
+
+
+@sim_only
 def test_sim_launch_period_of_equal_blocks(monkeypatch):
     """A launch whose blocks have one shape gets period 1 (the kernel locates an item in
     O(1)); blocks that repeat a pattern get its length; results stay those of the CPU path,
@@ -541,11 +592,13 @@ def test_gpu_methods_match_cpu_float64(c):
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
 def test_gpu_checks_run_as_kernels_and_refuse_bad_inputs(monkeypatch):
     """On cupy, ``bakron.solve`` and the stack layer check W and the factors with the GPU
-    engine's one-kernel checks, and refuse bad inputs with the messages of the CPU checks."""
+    engine's fused checks (one read-back each), and refuse bad inputs with the messages of
+    the CPU checks."""
     from bakron.backends import numba_cuda as nc
     cp = _cp()
     calls = []
-    for name in ("count_nonfinite", "factor_scan", "stack_forbidden", "input_checks"):
+    for name in ("count_nonfinite", "factor_scan", "stack_forbidden", "input_checks",
+                 "stack_checks"):
         real = getattr(nc, name)
         monkeypatch.setattr(nc, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
     W, AO, AI, q = _problem(7, 64, 48, 8, 8)
@@ -572,7 +625,7 @@ def test_gpu_checks_run_as_kernels_and_refuse_bad_inputs(monkeypatch):
     Ws, AIs = cp.stack([Wd, Wd, Wd]), cp.stack([AId, AId, up])
     with pytest.raises(ValueError, match=r"A_in\[2\] \(flattened stack\) must be strictly"):
         bakron.solve(Ws, AOd, AIs, [q] * 3, tile=8)
-    assert "stack_forbidden" in calls and "count_nonfinite" in calls, calls
+    assert calls == ["stack_checks"], calls  # every statistic of the stack in one pass
     Ws[1, 0, 0] = cp.inf
     with pytest.raises(ValueError, match="W contains 1 NaN or Inf entry"):
         bakron.solve(Ws, AOd, cp.stack([AId] * 3), [q] * 3, tile=8)

@@ -236,6 +236,33 @@ def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str, fast=None
         solvers._check_strictly_lower(xp, A[j, ...], block, label)
 
 
+def _check_stack_values(solvers, xp, W_flat, factors, fast) -> None:
+    """No NaN or Inf in the stack ``W_flat`` and the factor stacks ``factors`` ((name, flat,
+    block) each), every factor ``L - I``; checked in this order, each error worded as the
+    single-layer check words it. The GPU engine's ``stack_checks`` gathers every statistic
+    with one read-back; otherwise one pass per array and statistic (``fast``: the compiled
+    engine's one-kernel checks, from ``solvers._compiled``)."""
+    fused = getattr(fast, "stack_checks", None)
+    got = None if fused is None else fused(
+        {"W": W_flat, **{name: flat for name, flat, _ in factors}},
+        {name: blk for name, _, blk in factors})
+    if got is None:
+        _check_finite_stack(xp, W_flat, "W", fast)
+        for name, flat, blk in factors:
+            _check_finite_stack(xp, flat, name, fast)
+            _check_strictly_lower_stack(solvers, xp, flat, blk, name, fast)
+        return
+    nonfinite, forbidden = got
+    check_finite(xp, W_flat, "W", known=nonfinite["W"])
+    for name, flat, blk in factors:
+        check_finite(xp, flat, name, known=nonfinite[name])
+        bad = np.flatnonzero(np.asarray(forbidden[name]))
+        if bad.size:
+            j = int(bad[0])
+            label = name if flat.shape[0] == 1 else f"{name}[{j}] (flattened stack)"
+            solvers._check_strictly_lower(xp, flat[j, ...], blk, label)
+
+
 def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
                 engine: str = "auto", variant: str = "accumulator", base: int | None = None,
                 return_targets: bool = False, max_naive_bytes: int | None = None,
@@ -324,18 +351,15 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
             except ValueError as e:
                 raise ValueError(f"quantizer for item {i}: {e}") from None
     W_flat, w_idx = _flat(xp, W, stack)
-    fast = solvers._compiled(xp, engine)  # one-kernel checks where the engine has them
-    _check_finite_stack(xp, W_flat, "W", fast)
     # a factor in another dtype is cast once for the stack, as the single solve casts it
     A_in_flat, in_idx = _flat(xp, xp.astype(A_in, dtype, copy=False), stack)
     if A_out is None:
         A_out_flat, out_idx = None, None
     else:
         A_out_flat, out_idx = _flat(xp, xp.astype(A_out, dtype, copy=False), stack)
-    for name, flat, blk in (("A_in", A_in_flat, ty), ("A_out", A_out_flat, tx)):
-        if flat is not None:
-            _check_finite_stack(xp, flat, name, fast)
-            _check_strictly_lower_stack(solvers, xp, flat, blk, name, fast)
+    factors = [(name, flat, blk) for name, flat, blk in
+               (("A_in", A_in_flat, ty), ("A_out", A_out_flat, tx)) if flat is not None]
+    _check_stack_values(solvers, xp, W_flat, factors, solvers._compiled(xp, engine))
 
     itemsize = 4 if dtype == xp.float32 else 8
     budget = _default_budget(xp) if max_bytes is None else int(max_bytes)
