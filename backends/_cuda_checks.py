@@ -26,20 +26,25 @@ SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 THREADS = 8 if SIM else 128
 #: at most this many CTAs per SM for the grid-stride count
 _COUNT_CTAS_PER_SM = 8
+#: ``_stack_scan``: threads that read one row together, the rows a CTA reads at once, and
+#: the entries a CTA reads at least (its rows: this many entries rounded up to ``GROUPS``
+#: rows)
+LANES = min(32, THREADS)
+GROUPS = THREADS // LANES
+_SCAN_CTA_ENTRIES = 1 << 14
 
 _KERNELS: dict = {}
 
 
-def _scan(A, n, item_rows, block, stats, bad, first, col):
-    """CTA ``r`` reads row ``r`` of ``A`` (``n`` columns; rows of a stack of square factors
-    of ``item_rows`` rows each): ``bad[r]``, the largest ``|entry|`` from the first column
-    of the row's diagonal block on (on or above the diagonal, or inside a diagonal block);
-    with ``stats``, ``first[r]``, the first non-zero column left of that (``n`` if none),
+def _scan(A, n, block, bad, first, col):
+    """CTA ``r`` reads row ``r`` of the square ``n x n`` factor ``A``: ``bad[r]``, the
+    largest ``|entry|`` from the first column of the row's diagonal block on (on or above
+    the diagonal, or inside a diagonal block); ``first[r]``, the first non-zero column left of that (``n`` if none),
     and ``col[j] = 1`` for every column with a non-zero there (a benign race: every writer
     writes 1)."""
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
-    lim = ((r % item_rows) // block) * block
+    lim = (r // block) * block
     row = r * n
     b = 0.0
     f = n
@@ -53,8 +58,7 @@ def _scan(A, n, item_rows, block, stats, bad, first, col):
         elif v != 0:
             if j < f:
                 f = j
-            if stats:
-                col[j] = 1
+            col[j] = 1
         j += THREADS
     sb = cuda.shared.array(THREADS, float64)
     sf = cuda.shared.array(THREADS, int64)
@@ -72,8 +76,7 @@ def _scan(A, n, item_rows, block, stats, bad, first, col):
         h //= 2
     if t == 0:
         bad[r] = sb[0]
-        if stats:
-            first[r] = sf[0]
+        first[r] = sf[0]
 
 
 def _coarse(A, n, block, first, col, flag):
@@ -149,19 +152,71 @@ def _count_kernel(x, size, out):
         out[cuda.blockIdx.x] = sc[0]
 
 
+def _stack_scan(A, s, block, cpi, rows, bad, cnt):
+    """One pass over a stack of square ``s x s`` factors (``A``, C order): CTA ``b`` reads
+    rows ``c * rows`` … of factor ``b // cpi`` (``c = b % cpi``; ``cpi`` CTAs per factor),
+    groups of ``LANES`` threads one row at a time (a row's entries left of its diagonal
+    block, then the others: two loops without a branch on the column), and writes
+    ``bad[b]``, the largest ``|entry|`` on or above the diagonal or inside a diagonal
+    ``block``, and ``cnt[b]``, its NaN and Inf entries. Thread 0 folds the threads'
+    partial results in a loop (few CTAs, long ones: the reduction is not on the clock)."""
+    b = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    item = b // cpi
+    r0 = (b - item * cpi) * rows
+    r1 = min(s, r0 + rows)
+    lane = t % LANES
+    mx = 0.0
+    c = 0
+    r = r0 + t // LANES
+    while r < r1:
+        lim = (r // block) * block
+        at = (item * s + r) * s
+        j = lane
+        while j < lim:
+            v = A[at + j]
+            if v != v or abs(v) == math.inf:
+                c += 1
+            j += LANES
+        j = lim + lane
+        while j < s:
+            a = abs(A[at + j])
+            if a > mx:
+                mx = a
+            if a != a or a == math.inf:
+                c += 1
+            j += LANES
+        r += GROUPS
+    smx = cuda.shared.array(THREADS, float64)
+    sc = cuda.shared.array(THREADS, int64)
+    smx[t] = mx
+    sc[t] = c
+    cuda.syncthreads()
+    if t == 0:
+        for u in range(1, THREADS):
+            if smx[u] > mx:
+                mx = smx[u]
+            c += sc[u]
+        bad[b] = mx
+        cnt[b] = c
+
+
 def _signature(name: str, dtname: str) -> tuple:
     """The raw-pointer signature of kernel ``name`` for data of dtype ``dtname``."""
     P = types.CPointer(getattr(types, dtname))
     I64, F64 = types.CPointer(types.int64), types.CPointer(types.float64)
     U8, i = types.CPointer(types.uint8), types.int64
     if name == "scan":
-        return (P, i, i, i, i, F64, I64, U8)
+        return (P, i, i, F64, I64, U8)
     if name == "coarse":
         return (P, i, i, I64, U8, F64)
+    if name == "stack_scan":
+        return (P, i, i, i, i, F64, F64)
     return (P, i, F64)
 
 
-_SOURCES = {"scan": _scan, "coarse": _coarse, "count": _count_kernel}
+_SOURCES = {"scan": _scan, "coarse": _coarse, "count": _count_kernel,
+            "stack_scan": _stack_scan}
 
 
 def _kernel(name: str, dtname: str):
@@ -238,8 +293,25 @@ def factor_scan(ctx, A, block: int):
     bad = mod.empty((n,), dtype=mod.float64)
     first = mod.empty((n,), dtype=mod.int64)
     col = mod.zeros((n,), dtype=mod.uint8)
-    _launch(ctx, "scan", str(A.dtype), n, A, n, n, int(block), 1, bad, first, col)
+    _launch(ctx, "scan", str(A.dtype), n, A, n, int(block), bad, first, col)
     return float(mod.max(bad)), first < n, first, col != 0
+
+
+def _scan_layout(s: int) -> tuple:
+    """``(rows, cpi)`` of ``_stack_scan`` for factors of side ``s``: the rows a CTA reads
+    (``_SCAN_CTA_ENTRIES`` entries at least, whole groups of rows, at most ``s``) and the
+    CTAs per factor."""
+    rows = -(-_SCAN_CTA_ENTRIES // s)  # enough rows for the entries
+    rows = min(s, -(-rows // GROUPS) * GROUPS)  # whole groups, at most the factor
+    return rows, -(-s // rows)
+
+
+def _launch_stack_scan(ctx, A, k: int, s: int, block: int, bad, cnt) -> None:
+    """``_stack_scan`` over the flat stack ``A`` of ``k`` factors ``s x s``: ``k * cpi``
+    CTAs, their results in ``bad`` and ``cnt`` (``k * cpi`` entries each, factor by
+    factor)."""
+    rows, cpi = _scan_layout(s)
+    _launch(ctx, "stack_scan", str(A.dtype), k * cpi, A, s, int(block), cpi, rows, bad, cnt)
 
 
 def stack_forbidden(ctx, A, block: int):
@@ -250,12 +322,11 @@ def stack_forbidden(ctx, A, block: int):
         return None
     mod = ctx[0]
     k, s = A.shape[0], A.shape[-1]
-    A = mod.ascontiguousarray(A)
-    bad = mod.empty((k * s,), dtype=mod.float64)
-    unused_first, unused_col = mod.zeros((1,), dtype=mod.int64), mod.zeros((1,), dtype=mod.uint8)
-    _launch(ctx, "scan", str(A.dtype), k * s, A, s, s, int(block), 0, bad, unused_first,
-            unused_col)
-    return mod.max(mod.reshape(bad, (k, s)), axis=1)
+    flat = mod.reshape(mod.ascontiguousarray(A), (-1,))
+    cpi = _scan_layout(s)[1]
+    out = mod.empty((2, k * cpi), dtype=mod.float64)
+    _launch_stack_scan(ctx, flat, k, s, block, out[0], out[1])
+    return mod.max(mod.reshape(out[0], (k, cpi)), axis=1)
 
 
 def input_checks(ctx, arrays: dict, blocks: dict):
@@ -288,7 +359,7 @@ def input_checks(ctx, arrays: dict, blocks: dict):
         A, n, block = flat[name], arrays[name].shape[0], int(block)  # C order, flattened
         first = mod.empty((n,), dtype=mod.int64)
         col = mod.zeros((n,), dtype=mod.uint8)
-        _launch(ctx, "scan", str(A.dtype), n, A, n, n, block, 1, part[name, "bad"], first, col)
+        _launch(ctx, "scan", str(A.dtype), n, A, n, block, part[name, "bad"], first, col)
         tiles = part[name, "coarse"].shape[0]
         if tiles:
             _launch(ctx, "coarse", str(A.dtype), tiles, A, n, block, first, col,
@@ -308,32 +379,33 @@ def stack_checks(ctx, arrays: dict, blocks: dict):
     """The statistics of the stack layer's input checks in one go: for each stack of
     ``arrays`` (name -> ``(k, r, c)`` array) the number of NaN and Inf entries; for each
     factor stack named in ``blocks`` (name -> block) the largest ``|entry|`` of each factor
-    where ``L - I`` is zero (``(k,)`` on the host, 0 for a factor). Every kernel writes its
-    part of one float64 array, read back once (one synchronisation instead of one per
-    statistic). ``None`` if an array is empty or of a dtype the kernels do not take. Returns
-    ``(nonfinite, forbidden)``, dicts by name."""
+    where ``L - I`` is zero (``(k,)`` on the host, 0 for a factor). A factor stack is read
+    once (``_stack_scan`` counts its NaN and Inf entries too), any other stack by the
+    grid-stride count; every kernel writes its part of one float64 array, read back once
+    (one synchronisation instead of one per statistic). ``None`` if an array is empty or of
+    a dtype the kernels do not take. Returns ``(nonfinite, forbidden)``, dicts by name."""
     if not all(_takes(X) and X.ndim == 3 for X in arrays.values()):
         return None
     mod = ctx[0]
     flat = {name: mod.reshape(mod.ascontiguousarray(X), (-1,)) for name, X in arrays.items()}
     regions, end = {}, 0
     for name, x in flat.items():
-        regions[name, "count"] = (end, end + _count_ctas(ctx, x.shape[0]))
-        end = regions[name, "count"][1]
-    for name in blocks:
         k, s = arrays[name].shape[0], arrays[name].shape[-1]
-        regions[name, "bad"] = (end, end + k * s)
-        end += k * s
+        size = k * _scan_layout(s)[1] if name in blocks else _count_ctas(ctx, x.shape[0])
+        regions[name, "count"] = (end, end + size)
+        end += size
+        if name in blocks:
+            regions[name, "bad"] = (end, end + size)
+            end += size
     buf = mod.empty((end,), dtype=mod.float64)
     part = {key: buf[a:b] for key, (a, b) in regions.items()}
     for name, x in flat.items():
-        _count(ctx, x, part[name, "count"])
-    unused_first = mod.zeros((1,), dtype=mod.int64)
-    unused_col = mod.zeros((1,), dtype=mod.uint8)
-    for name, block in blocks.items():
-        k, s = arrays[name].shape[0], arrays[name].shape[-1]
-        _launch(ctx, "scan", str(flat[name].dtype), k * s, flat[name], s, s, int(block), 0,
-                part[name, "bad"], unused_first, unused_col)
+        if name in blocks:
+            k, s = arrays[name].shape[0], arrays[name].shape[-1]
+            _launch_stack_scan(ctx, x, k, s, blocks[name], part[name, "bad"],
+                               part[name, "count"])
+        else:
+            _count(ctx, x, part[name, "count"])
     host = _host(buf)
     got = {key: host[a:b] for key, (a, b) in regions.items()}
     nonfinite = {name: int(got[name, "count"].sum()) for name in flat}

@@ -1199,9 +1199,9 @@ def solve_stack(chunk):
     outs = [chunk.values] + [a for a in (chunk.codes, chunk.targets) if a is not None]
     if tables is None or not all(a.flags.c_contiguous for a in outs):
         return None
-    if chunk.codes is None:  # the stacked codes, allocated by the first chunk
-        v = chunk.values
-        chunk.codes = (np if SIM else _cupy()).zeros(tuple(v.shape), dtype=np.int16)
+    if chunk.codes is None:  # the stacked codes, allocated by the first chunk (the kernel
+        v = chunk.values      # writes every item's codes: no fill)
+        chunk.codes = (np if SIM else _cupy()).empty(tuple(v.shape), dtype=np.int16)
     r = _StackSolve(chunk, p, tables)
     base = None
     if method == "antidiagonal":

@@ -272,12 +272,13 @@ def test_sim_every_tile_a_leaf_with_offsets():
 
 
 @sim_only
-def test_sim_check_kernels_equal_the_cpu_checks():
+def test_sim_check_kernels_equal_the_cpu_checks(monkeypatch):
     """The GPU engine's one-kernel checks give the statistics of the numba CPU engine's
     (``factor_scan``, ``count_nonfinite``) and of the stack layer's definition
-    (``stack_forbidden``): a factor from prepare_factor, one with entries on and above the
-    diagonal, a coarser-block factor, dead channels; NaN and Inf counts in 1-3 dimensions."""
-    from bakron.backends import numba_cpu, numba_cuda as nc
+    (``stack_forbidden``, ``stack_checks``): a factor from prepare_factor, one with entries
+    on and above the diagonal, a coarser-block factor, dead channels; NaN and Inf counts in
+    1-3 dimensions; the stack scan with one CTA per factor and with several (ragged)."""
+    from bakron.backends import _cuda_checks, numba_cpu, numba_cuda as nc
     rng = np.random.default_rng(11)
     n, b = 22, 4  # a ragged last block
     X = rng.standard_normal((n, 2 * n))
@@ -298,8 +299,18 @@ def test_sim_check_kernels_equal_the_cpu_checks():
     i = np.arange(n)
     forbidden = (i[None, :] >= i[:, None]) | (i[None, :] // b == i[:, None] // b)
     want = np.abs(np.where(forbidden, stack, 0)).max(axis=(1, 2))
-    np.testing.assert_array_equal(nc.stack_forbidden(stack, b), want)
     assert want[0] == 0 and want[1] == 2.0
+    nonfinite = stack.copy()
+    nonfinite[1, 4, 2], nonfinite[2, 21, 21], nonfinite[2, 0, 7] = np.nan, np.inf, -np.inf
+    want_nf = np.abs(np.where(forbidden, nonfinite, 0)).max(axis=(1, 2))
+    assert np.isinf(want_nf[2]) and want_nf[1] == 2.0  # the NaN is below the blocks
+    for entries, cpi in ((_cuda_checks._SCAN_CTA_ENTRIES, 1), (50, 8)):  # 8 CTAs: 7 x 3 + 1 rows
+        monkeypatch.setattr(_cuda_checks, "_SCAN_CTA_ENTRIES", entries)
+        assert _cuda_checks._scan_layout(n)[1] == cpi
+        np.testing.assert_array_equal(nc.stack_forbidden(stack, b), want)
+        counts, worst = nc.stack_checks({"A": nonfinite}, {"A": b})
+        assert counts == {"A": 3}
+        np.testing.assert_array_equal(worst["A"], want_nf)
     for shape, dt in (((300,), np.float32), ((7, 45), np.float64), ((3, 5, 11), np.float32)):
         x = rng.standard_normal(shape).astype(dt)
         assert nc.count_nonfinite(x) == 0

@@ -146,8 +146,8 @@ class ItemRunner:
             if self.codes is None:
                 v = self.chunk.values
                 xp = _xp.namespace(v)
-                self.codes = xp.zeros(tuple(v.shape), dtype=item_codes.dtype,
-                                      device=_xp.device(v))
+                self.codes = xp.empty(tuple(v.shape), dtype=item_codes.dtype,
+                                      device=_xp.device(v))  # every item writes its codes
             return self.codes
 
     def _record(self, method, engine, info) -> None:
