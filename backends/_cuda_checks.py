@@ -383,7 +383,9 @@ def stack_checks(ctx, arrays: dict, blocks: dict):
     once (``_stack_scan`` counts its NaN and Inf entries too), any other stack by the
     grid-stride count; every kernel writes its part of one float64 array, read back once
     (one synchronisation instead of one per statistic). ``None`` if an array is empty or of
-    a dtype the kernels do not take. Returns ``(nonfinite, forbidden)``, dicts by name."""
+    a dtype the kernels do not take. Returns a function that reads the results back,
+    ``(nonfinite, forbidden)`` (dicts by name): the caller does its host work while the
+    kernels run."""
     if not all(_takes(X) and X.ndim == 3 for X in arrays.values()):
         return None
     mod = ctx[0]
@@ -406,9 +408,12 @@ def stack_checks(ctx, arrays: dict, blocks: dict):
                                part[name, "count"])
         else:
             _count(ctx, x, part[name, "count"])
-    host = _host(buf)
-    got = {key: host[a:b] for key, (a, b) in regions.items()}
-    nonfinite = {name: int(got[name, "count"].sum()) for name in flat}
-    forbidden = {name: got[name, "bad"].reshape(arrays[name].shape[0], -1).max(axis=1)
-                 for name in blocks}
-    return nonfinite, forbidden
+
+    def read():
+        host = _host(buf)
+        got = {key: host[a:b] for key, (a, b) in regions.items()}
+        nonfinite = {name: int(got[name, "count"].sum()) for name in flat}
+        forbidden = {name: got[name, "bad"].reshape(arrays[name].shape[0], -1).max(axis=1)
+                     for name in blocks}
+        return nonfinite, forbidden
+    return read

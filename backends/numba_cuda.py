@@ -1029,15 +1029,12 @@ class _StackSolve(_DeviceSolve):
         self.Wq = chunk.values
         self.codes = chunk.codes
         self.T = chunk.targets
-        # the quantizer tables: one shared table, or one per item stacked (same shapes)
-        S = [t[0] for t in tables]
-        Z = [t[1] for t in tables]
-        shared = all(x is S[0] for x in S) and all(x is Z[0] for x in Z)
-        self.S = mod.ascontiguousarray(S[0] if shared else mod.stack(S))
-        self.Z = None if Z[0] is None else mod.ascontiguousarray(Z[0] if shared
-                                                                 else mod.stack(Z))
-        self.s_shape = tuple(int(v) for v in S[0].shape)
-        self.z_shape = (1, 1) if Z[0] is None else tuple(int(v) for v in Z[0].shape)
+        # the quantizer tables (_stack_tables): one shared table, or one per item stacked
+        S, Z, shared = tables
+        self.S = mod.ascontiguousarray(S)
+        self.Z = None if Z is None else mod.ascontiguousarray(Z)
+        self.s_shape = tuple(int(v) for v in S.shape[-2:])
+        self.z_shape = (1, 1) if Z is None else tuple(int(v) for v in Z.shape[-2:])
         s_size = 0 if shared else self.s_shape[0] * self.s_shape[1]
         z_size = 0 if shared else self.z_shape[0] * self.z_shape[1]
         mn = m * n
@@ -1134,27 +1131,24 @@ def _stack_wavefront(r: "_StackSolve", cs: int) -> str:
             f"GEMMs")
 
 
-def _stack_kind(chunk, p):
-    """Every item's quantizer tables in W's dtype, or ``None`` when the items' quantizers
-    differ in kind (symmetric or not, code range, group size, table shapes) or one is not a
+def _stack_tables(chunk, p):
+    """The quantizer tables of the chunk's items in W's dtype on the device, ``(S, Z,
+    shared)``: one quantizer's tables when every item shares it (``shared``), else every
+    item's tables stacked ``(k, r, g)`` (one host-to-device copy); ``None`` when the items'
+    quantizers differ in kind (:meth:`bakron.UniformQuantizer.table_kind`) or one is not a
     plain :class:`bakron.UniformQuantizer` (the chunk is then declined)."""
     from bakron.solvers.engines import is_plain_uniform
 
-    kind0 = None
-    tables = []
-    for i in range(chunk.start, chunk.stop):
-        q = chunk.quantizers[i]
-        if not is_plain_uniform(q):
-            return None
-        s_tab, z_tab = q.tables(p.xp, p.device, p.dtype)
-        kind = (q.symmetric, q.code_range, q.group_size or 1, tuple(s_tab.shape),
-                None if z_tab is None else tuple(z_tab.shape))
-        if kind0 is None:
-            kind0 = kind
-        elif kind != kind0:
-            return None
-        tables.append((s_tab, z_tab))
-    return tables
+    qs = chunk.quantizers[chunk.start:chunk.stop]
+    q0 = qs[0]
+    if not is_plain_uniform(q0):
+        return None
+    if all(q is q0 for q in qs):
+        return (*q0.tables(p.xp, p.device, p.dtype), True)
+    kind = q0.table_kind()
+    if not all(is_plain_uniform(q) and q.table_kind() == kind for q in qs):
+        return None
+    return (*type(q0).stacked_tables(qs, p.xp, p.device, p.dtype), False)
 
 
 def stack_method(p, items: int, method: str) -> str | None:
@@ -1195,7 +1189,7 @@ def solve_stack(chunk):
     method = stack_method(p, int(chunk.values.shape[0]), chunk.method)  # the whole stack's
     if method is None:
         return None
-    tables = _stack_kind(chunk, p)
+    tables = _stack_tables(chunk, p)
     outs = [chunk.values] + [a for a in (chunk.codes, chunk.targets) if a is not None]
     if tables is None or not all(a.flags.c_contiguous for a in outs):
         return None
@@ -1269,9 +1263,9 @@ def stack_forbidden(A, block: int):
 
 
 def stack_checks(arrays: dict, blocks: dict):
-    """The statistics of the stack layer's input checks, every kernel writing its part of
-    one float64 array read back once: ``(nonfinite, forbidden)``, dicts by name
-    (``_cuda_checks.stack_checks``), or ``None`` for arrays the kernels do not take."""
+    """The statistics of the stack layer's input checks: launches the kernels and returns a
+    function that reads them back once, ``(nonfinite, forbidden)``, dicts by name
+    (``_cuda_checks.stack_checks``); ``None`` for arrays the kernels do not take."""
     from . import _cuda_checks
     return _cuda_checks.stack_checks(_check_context(), arrays, blocks)
 

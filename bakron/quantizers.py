@@ -172,6 +172,25 @@ class UniformQuantizer:
             hit = self._cache[key] = (s, z)
         return hit
 
+    def table_kind(self) -> tuple:
+        """What a compiled engine needs equal across the items of a stack that it rounds
+        with stacked tables: symmetric or not, the code range, the group size and the
+        tables' shapes."""
+        return (self.symmetric, self.code_range, self.group_size or 1, self._scale.shape,
+                None if self._zero is None else self._zero.shape)
+
+    @staticmethod
+    def stacked_tables(quantizers, xp, device, dtype):
+        """``(scale, zero or None)`` of ``quantizers`` (one :meth:`table_kind`) as arrays
+        ``(k, r, g)`` of ``dtype`` in ``xp`` on ``device``, item ``i`` equal to
+        ``quantizers[i].tables(...)``: stacked on the host and copied over once (one copy
+        per quantizer took 128 transfers for an MoE stack)."""
+        s = np.stack([q._scale for q in quantizers])
+        zs = [q._zero for q in quantizers]
+        z = None if zs[0] is None else np.stack(zs)
+        return (xp.asarray(s, dtype=dtype, device=device),
+                None if z is None else xp.asarray(z, dtype=dtype, device=device))
+
     def _gather(self, xp, tab, rows_idx, cols_idx):
         """Per-element table values for tiles: rows_idx (k, tx), cols_idx (k, ty)."""
         r, g = tab.shape

@@ -308,7 +308,7 @@ def test_sim_check_kernels_equal_the_cpu_checks(monkeypatch):
         monkeypatch.setattr(_cuda_checks, "_SCAN_CTA_ENTRIES", entries)
         assert _cuda_checks._scan_layout(n)[1] == cpi
         np.testing.assert_array_equal(nc.stack_forbidden(stack, b), want)
-        counts, worst = nc.stack_checks({"A": nonfinite}, {"A": b})
+        counts, worst = nc.stack_checks({"A": nonfinite}, {"A": b})()
         assert counts == {"A": 3}
         np.testing.assert_array_equal(worst["A"], want_nf)
     for shape, dt in (((300,), np.float32), ((7, 45), np.float64), ((3, 5, 11), np.float32)):
@@ -388,31 +388,38 @@ def test_sim_fused_input_checks_decide_as_the_array_api_checks():
 @sim_only
 def test_sim_fused_stack_checks_decide_as_the_passes(monkeypatch):
     """The stack layer with the GPU engine's ``stack_checks`` (every statistic of its input
-    checks, one read-back) accepts what the per-array passes accept and raises their errors
-    in their order: NaN/Inf in W or a factor, a factor that is not ``L - I``, a stack of
+    checks, launched before the host checks and read back once after them) accepts what the
+    per-array passes accept and raises their errors in their order: NaN/Inf in W or a factor, a factor that is not ``L - I``, a stack of
     one; ``stack_checks`` counts and scans as ``count_nonfinite`` / ``stack_forbidden``."""
     from bakron import solvers
     from bakron.backends import numba_cuda as nc
     W, AO, AI, qs = _stack(4, 4, 9, 7, 3, 1)
     W32 = W.astype(np.float32)
-    nonfinite, forbidden = nc.stack_checks({"W": W32, "A_in": AI}, {"A_in": 1})
+    nonfinite, forbidden = nc.stack_checks({"W": W32, "A_in": AI}, {"A_in": 1})()
     assert nonfinite == {"W": 0, "A_in": 0} and forbidden["A_in"].shape == (4,)
     AI_bad = AI.copy()
     AI_bad[2, 0, 5], AI_bad[3, 1, 1] = 0.5, np.inf  # above the diagonal; on it, not finite
     W_bad = W32.copy()
     W_bad[1, 2, 3] = np.nan
-    nonfinite, forbidden = nc.stack_checks({"W": W_bad, "A_in": AI_bad}, {"A_in": 1})
+    nonfinite, forbidden = nc.stack_checks({"W": W_bad, "A_in": AI_bad}, {"A_in": 1})()
     assert nonfinite == {"W": 1, "A_in": nc.count_nonfinite(AI_bad)} == {"W": 1, "A_in": 1}
     np.testing.assert_array_equal(forbidden["A_in"], nc.stack_forbidden(AI_bad, 1))
     assert nc.stack_checks({"W": W32[:0]}, {}) is None  # empty: the passes decide
 
-    calls = []
+    calls, order = [], []
 
     class Fused:  # the GPU engine's checks, on the simulator's numpy arrays
         @staticmethod
         def stack_checks(arrays, blocks):
             calls.append(sorted(arrays))
-            return nc.stack_checks(arrays, blocks)
+            order.append("launch")
+            read = nc.stack_checks(arrays, blocks)
+            return lambda: order.append("read") or read()
+
+    from bakron.solvers import stack as stack_layer
+    engine_check = stack_layer.engine_check
+    monkeypatch.setattr(stack_layer, "engine_check",
+                        lambda *a: order.append("engine_check") or engine_check(*a))
 
     def errors(fast):
         monkeypatch.setattr(solvers, "_compiled", lambda xp, engine: fast)
@@ -430,6 +437,8 @@ def test_sim_fused_stack_checks_decide_as_the_passes(monkeypatch):
 
     fused = errors(Fused)
     assert len(calls) == 5 and calls[0] == ["A_in", "A_out", "W"]
+    # the kernels start before the host checks and are read back after them
+    assert order[:3] == ["launch", "engine_check", "read"], order
     assert fused == errors(None)
     assert [kind for kind, _ in fused] == ["ok", "error", "error", "error", "error"]
     assert "W contains 1 NaN" in fused[1][1] and "A_in contains 1 NaN or Inf" in fused[2][1]

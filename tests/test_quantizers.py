@@ -196,3 +196,30 @@ def test_quantize_without_offsets_needs_tensor_scale():
     q = bakron.UniformQuantizer(4, np.ones(3))
     with pytest.raises(ValueError, match="needs the tiles' rows and cols"):
         q.quantize(np.zeros((1, 3, 3)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_stacked_tables_equal_each_quantizers_tables(xp, dtype):
+    """``UniformQuantizer.stacked_tables`` (what the GPU engine rounds a stack with) holds
+    item ``i``'s ``tables`` at index ``i``, per-row symmetric and per-group asymmetric, and
+    ``table_kind`` tells the two kinds (and the group sizes) apart."""
+    from bakron._xp import to_numpy
+    rng = np.random.default_rng(5)
+    W = rng.standard_normal((3, 6, 10))
+    dt = getattr(xp, dtype)
+    for kw in ({}, {"symmetric": False, "granularity": "group", "group_size": 4}):
+        qs = bakron.fit_quantizers(W, 3, **kw)
+        assert len({q.table_kind() for q in qs}) == 1
+        S, Z = bakron.UniformQuantizer.stacked_tables(qs, xp, None, dt)
+        assert S.dtype == dt and tuple(S.shape) == (3, *qs[0].tables(xp, None, dt)[0].shape)
+        for i, q in enumerate(qs):
+            s_i, z_i = q.tables(xp, None, dt)
+            np.testing.assert_array_equal(to_numpy(S[i, ...]), to_numpy(s_i))
+            if z_i is None:
+                assert Z is None
+            else:
+                np.testing.assert_array_equal(to_numpy(Z[i, ...]), to_numpy(z_i))
+    row = bakron.fit_quantizers(W[:1], 3)[0]
+    group = bakron.fit_quantizers(W[:1], 3, granularity="group", group_size=4)[0]
+    group5 = bakron.fit_quantizers(W[:1], 3, granularity="group", group_size=5)[0]
+    assert len({row.table_kind(), group.table_kind(), group5.table_kind()}) == 3

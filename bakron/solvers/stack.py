@@ -10,7 +10,8 @@ solve it alone: the result is bitwise identical to the one-by-one loop.
 How a stack runs (``SolveResult.info["stack"]`` says which path ran):
 
 1. Everything is validated before any work (shapes, lengths, dtypes, devices, tiles, every
-   factor's structure, the engine), once for the stack.
+   factor's structure, the engine), once for the stack (on the GPU the checks of the
+   values run as kernels while the host checks the rest).
 2. The stack is cut into *chunks* whose working memory fits ``max_bytes`` (``4 m n`` elements
    per item at most, besides the inputs and the stacked outputs).
 3. A chunk goes to the engine in one call when the engine has ``solve_stack`` (the hook for a
@@ -236,31 +237,39 @@ def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str, fast=None
         solvers._check_strictly_lower(xp, A[j, ...], block, label)
 
 
-def _check_stack_values(solvers, xp, W_flat, factors, fast) -> None:
-    """No NaN or Inf in the stack ``W_flat`` and the factor stacks ``factors`` ((name, flat,
-    block) each), every factor ``L - I``; checked in this order, each error worded as the
-    single-layer check words it. The GPU engine's ``stack_checks`` gathers every statistic
-    with one read-back; otherwise one pass per array and statistic (``fast``: the compiled
+def _start_value_checks(solvers, xp, W_flat, factors, fast):
+    """The checks of the stack's values: no NaN or Inf in ``W_flat`` and the factor stacks
+    ``factors`` ((name, flat, block) each), every factor ``L - I``. Returns a function that
+    decides them, in this order, each error worded as the single-layer check words it.
+
+    The GPU engine's ``stack_checks`` launches its kernels here and the returned function
+    reads every statistic back at once, so the caller's host work between the two runs
+    while the GPU reads the stack (about a millisecond for an MoE stack); otherwise the
+    returned function runs one pass per array and statistic (``fast``: the compiled
     engine's one-kernel checks, from ``solvers._compiled``)."""
     fused = getattr(fast, "stack_checks", None)
-    got = None if fused is None else fused(
+    read = None if fused is None else fused(
         {"W": W_flat, **{name: flat for name, flat, _ in factors}},
         {name: blk for name, _, blk in factors})
-    if got is None:
+
+    def passes():
         _check_finite_stack(xp, W_flat, "W", fast)
         for name, flat, blk in factors:
             _check_finite_stack(xp, flat, name, fast)
             _check_strictly_lower_stack(solvers, xp, flat, blk, name, fast)
-        return
-    nonfinite, forbidden = got
-    check_finite(xp, W_flat, "W", known=nonfinite["W"])
-    for name, flat, blk in factors:
-        check_finite(xp, flat, name, known=nonfinite[name])
-        bad = np.flatnonzero(np.asarray(forbidden[name]))
-        if bad.size:
-            j = int(bad[0])
-            label = name if flat.shape[0] == 1 else f"{name}[{j}] (flattened stack)"
-            solvers._check_strictly_lower(xp, flat[j, ...], blk, label)
+
+    def decide():
+        nonfinite, forbidden = read()
+        check_finite(xp, W_flat, "W", known=nonfinite["W"])
+        for name, flat, blk in factors:
+            check_finite(xp, flat, name, known=nonfinite[name])
+            bad = np.flatnonzero(np.asarray(forbidden[name]))
+            if bad.size:
+                j = int(bad[0])
+                label = name if flat.shape[0] == 1 else f"{name}[{j}] (flattened stack)"
+                solvers._check_strictly_lower(xp, flat[j, ...], blk, label)
+
+    return passes if read is None else decide
 
 
 def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
@@ -340,6 +349,19 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     if max_bytes is not None and (int(max_bytes) != max_bytes or max_bytes < 1):
         raise ValueError(f"max_bytes must be a positive number of bytes, got {max_bytes!r}")
     qs = _quantizer_list(quantizer, B)
+    W_flat, w_idx = _flat(xp, W, stack)
+    # a factor in another dtype is cast once for the stack, as the single solve casts it
+    A_in_flat, in_idx = _flat(xp, xp.astype(A_in, dtype, copy=False), stack)
+    if A_out is None:
+        A_out_flat, out_idx = None, None
+    else:
+        A_out_flat, out_idx = _flat(xp, xp.astype(A_out, dtype, copy=False), stack)
+    factors = [(name, flat, blk) for name, flat, blk in
+               (("A_in", A_in_flat, ty), ("A_out", A_out_flat, tx)) if flat is not None]
+    # the value checks start here (on the GPU: kernels that run during the host checks
+    # below) and decide after them
+    decide_values = _start_value_checks(solvers, xp, W_flat, factors,
+                                        solvers._compiled(xp, engine))
     seen: set = set()
     for i, q in enumerate(qs):
         if id(q) in seen:
@@ -350,23 +372,13 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
                 q.check_shape(m, n)
             except ValueError as e:
                 raise ValueError(f"quantizer for item {i}: {e}") from None
-    W_flat, w_idx = _flat(xp, W, stack)
-    # a factor in another dtype is cast once for the stack, as the single solve casts it
-    A_in_flat, in_idx = _flat(xp, xp.astype(A_in, dtype, copy=False), stack)
-    if A_out is None:
-        A_out_flat, out_idx = None, None
-    else:
-        A_out_flat, out_idx = _flat(xp, xp.astype(A_out, dtype, copy=False), stack)
-    factors = [(name, flat, blk) for name, flat, blk in
-               (("A_in", A_in_flat, ty), ("A_out", A_out_flat, tx)) if flat is not None]
-    _check_stack_values(solvers, xp, W_flat, factors, solvers._compiled(xp, engine))
-
     itemsize = 4 if dtype == xp.float32 else 8
     budget = _default_budget(xp) if max_bytes is None else int(max_bytes)
     chunk_items = max(1, min(B, budget // (ITEM_WORK_MN * m * n * itemsize))) if B else 1
     full = StackChunk(0, B, W_flat, A_out_flat, A_in_flat, w_idx, out_idx, in_idx, qs,
                       (tx, ty), method, base, variant, None, None, None)
     engines = engine_check(solvers, xp, full, engine, return_targets) if B else {}
+    decide_values()
     # ---- outputs: allocated once every check has passed ----------------------------------
     # every item's values (and codes) are written by its chunk, whichever path runs it, so
     # they start uninitialised (a fill of the MoE stack's values took 0.2 ms on the H200);
