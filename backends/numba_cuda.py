@@ -1141,12 +1141,13 @@ def _stack_tables(chunk, p):
 
     qs = chunk.quantizers[chunk.start:chunk.stop]
     q0 = qs[0]
-    if not is_plain_uniform(q0):
+    # is_plain_uniform looks at the type only: one instance of each type
+    if not all(is_plain_uniform(q) for q in {type(q): q for q in qs}.values()):
         return None
     if all(q is q0 for q in qs):
         return (*q0.tables(p.xp, p.device, p.dtype), True)
     kind = q0.table_kind()
-    if not all(is_plain_uniform(q) and q.table_kind() == kind for q in qs):
+    if not all(q.table_kind() == kind for q in qs):
         return None
     return (*type(q0).stacked_tables(qs, p.xp, p.device, p.dtype), False)
 

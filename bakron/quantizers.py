@@ -184,10 +184,15 @@ class UniformQuantizer:
         """``(scale, zero or None)`` of ``quantizers`` (one :meth:`table_kind`) as arrays
         ``(k, r, g)`` of ``dtype`` in ``xp`` on ``device``, item ``i`` equal to
         ``quantizers[i].tables(...)``: stacked on the host and copied over once (one copy
-        per quantizer took 128 transfers for an MoE stack)."""
-        s = np.stack([q._scale for q in quantizers])
+        per quantizer took 128 transfers for an MoE stack); cast on the host when ``dtype``
+        is a numpy dtype (half the bytes to copy for float32)."""
+        try:
+            host = np.dtype(dtype)
+        except TypeError:  # another library's dtype object: cast where the array lands
+            host = None
+        s = np.stack([q._scale for q in quantizers], dtype=host)
         zs = [q._zero for q in quantizers]
-        z = None if zs[0] is None else np.stack(zs)
+        z = None if zs[0] is None else np.stack(zs, dtype=host)
         return (xp.asarray(s, dtype=dtype, device=device),
                 None if z is None else xp.asarray(z, dtype=dtype, device=device))
 
