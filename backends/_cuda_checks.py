@@ -39,9 +39,9 @@ _KERNELS: dict = {}
 def _scan(A, n, block, bad, first, col):
     """CTA ``r`` reads row ``r`` of the square ``n x n`` factor ``A``: ``bad[r]``, the
     largest ``|entry|`` from the first column of the row's diagonal block on (on or above
-    the diagonal, or inside a diagonal block); ``first[r]``, the first non-zero column left of that (``n`` if none),
-    and ``col[j] = 1`` for every column with a non-zero there (a benign race: every writer
-    writes 1)."""
+    the diagonal, or inside a diagonal block); ``first[r]``, the first non-zero column left
+    of that (``n`` if none); and ``col[j] = 1`` for every column with a non-zero there (a
+    benign race: every writer writes 1)."""
     r = cuda.blockIdx.x
     t = cuda.threadIdx.x
     lim = (r // block) * block

@@ -389,8 +389,9 @@ def test_sim_fused_input_checks_decide_as_the_array_api_checks():
 def test_sim_fused_stack_checks_decide_as_the_passes(monkeypatch):
     """The stack layer with the GPU engine's ``stack_checks`` (every statistic of its input
     checks, launched before the host checks and read back once after them) accepts what the
-    per-array passes accept and raises their errors in their order: NaN/Inf in W or a factor, a factor that is not ``L - I``, a stack of
-    one; ``stack_checks`` counts and scans as ``count_nonfinite`` / ``stack_forbidden``."""
+    per-array passes accept and raises their errors in their order: NaN/Inf in W or a
+    factor, a factor that is not ``L - I``, a stack of one; ``stack_checks`` counts and
+    scans as ``count_nonfinite`` / ``stack_forbidden``."""
     from bakron import solvers
     from bakron.backends import numba_cuda as nc
     W, AO, AI, qs = _stack(4, 4, 9, 7, 3, 1)
