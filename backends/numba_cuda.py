@@ -82,7 +82,7 @@ import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "warm_up",
            "DEFAULT_BASE", "solve_stack", "stack_method", "count_nonfinite", "factor_scan",
-           "stack_forbidden", "input_checks"]
+           "stack_forbidden", "input_checks", "stack_checks"]
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
