@@ -314,21 +314,6 @@ def _launch_stack_scan(ctx, A, k: int, s: int, block: int, bad, cnt) -> None:
     _launch(ctx, "stack_scan", str(A.dtype), k * cpi, A, s, int(block), cpi, rows, bad, cnt)
 
 
-def stack_forbidden(ctx, A, block: int):
-    """For each factor of the stack ``A`` (k, s, s): the largest ``|entry|`` on or above its
-    diagonal or inside a diagonal ``block`` (``(k,)`` in ``mod``; 0 for ``L - I``), or
-    ``None`` for a dtype the kernel does not take."""
-    if not _takes(A) or A.ndim != 3:
-        return None
-    mod = ctx[0]
-    k, s = A.shape[0], A.shape[-1]
-    flat = mod.reshape(mod.ascontiguousarray(A), (-1,))
-    cpi = _scan_layout(s)[1]
-    out = mod.empty((2, k * cpi), dtype=mod.float64)
-    _launch_stack_scan(ctx, flat, k, s, block, out[0], out[1])
-    return mod.max(mod.reshape(out[0], (k, cpi)), axis=1)
-
-
 def input_checks(ctx, arrays: dict, blocks: dict):
     """The statistics of ``bakron.solve``'s input checks in one go: for each array of
     ``arrays`` (name -> array) the number of NaN and Inf entries; for each factor named in

@@ -82,7 +82,7 @@ import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "warm_up",
            "DEFAULT_BASE", "solve_stack", "stack_method", "count_nonfinite", "factor_scan",
-           "stack_forbidden", "input_checks", "stack_checks"]
+           "input_checks", "stack_checks"]
 
 from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
@@ -1254,13 +1254,6 @@ def input_checks(arrays: dict, blocks: dict):
     (``_cuda_checks.input_checks``), or ``None`` for dtypes the kernels do not take."""
     from . import _cuda_checks
     return _cuda_checks.input_checks(_check_context(), arrays, blocks)
-
-
-def stack_forbidden(A, block: int):
-    """Per factor of a stack ``(k, s, s)``: the largest ``|entry|`` where ``L - I`` is zero
-    (``(k,)``), in one kernel, for the stack layer's block-lower check."""
-    from . import _cuda_checks
-    return _cuda_checks.stack_forbidden(_check_context(), A, block)
 
 
 def stack_checks(arrays: dict, blocks: dict):

@@ -275,7 +275,7 @@ def test_sim_every_tile_a_leaf_with_offsets():
 def test_sim_check_kernels_equal_the_cpu_checks(monkeypatch):
     """The GPU engine's one-kernel checks give the statistics of the numba CPU engine's
     (``factor_scan``, ``count_nonfinite``) and of the stack layer's definition
-    (``stack_forbidden``, ``stack_checks``): a factor from prepare_factor, one with entries
+    (``stack_checks``): a factor from prepare_factor, one with entries
     on and above the diagonal, a coarser-block factor, dead channels; NaN and Inf counts in
     1-3 dimensions; the stack scan with one CTA per factor and with several (ragged)."""
     from bakron.backends import _cuda_checks, numba_cpu, numba_cuda as nc
@@ -307,7 +307,9 @@ def test_sim_check_kernels_equal_the_cpu_checks(monkeypatch):
     for entries, cpi in ((_cuda_checks._SCAN_CTA_ENTRIES, 1), (50, 8)):  # 8 CTAs: 7 x 3 + 1 rows
         monkeypatch.setattr(_cuda_checks, "_SCAN_CTA_ENTRIES", entries)
         assert _cuda_checks._scan_layout(n)[1] == cpi
-        np.testing.assert_array_equal(nc.stack_forbidden(stack, b), want)
+        counts, worst = nc.stack_checks({"A": stack}, {"A": b})()
+        assert counts == {"A": 0}
+        np.testing.assert_array_equal(worst["A"], want)
         counts, worst = nc.stack_checks({"A": nonfinite}, {"A": b})()
         assert counts == {"A": 3}
         np.testing.assert_array_equal(worst["A"], want_nf)
@@ -390,8 +392,8 @@ def test_sim_fused_stack_checks_decide_as_the_passes(monkeypatch):
     """The stack layer with the GPU engine's ``stack_checks`` (every statistic of its input
     checks, launched before the host checks and read back once after them) accepts what the
     per-array passes accept and raises their errors in their order: NaN/Inf in W or a
-    factor, a factor that is not ``L - I``, a stack of one; ``stack_checks`` counts and
-    scans as ``count_nonfinite`` / ``stack_forbidden``."""
+    factor, a factor that is not ``L - I``, a stack of one; ``stack_checks`` counts as
+    ``count_nonfinite`` and finds the largest entry where ``L - I`` is zero."""
     from bakron import solvers
     from bakron.backends import numba_cuda as nc
     W, AO, AI, qs = _stack(4, 4, 9, 7, 3, 1)
@@ -404,7 +406,8 @@ def test_sim_fused_stack_checks_decide_as_the_passes(monkeypatch):
     W_bad[1, 2, 3] = np.nan
     nonfinite, forbidden = nc.stack_checks({"W": W_bad, "A_in": AI_bad}, {"A_in": 1})()
     assert nonfinite == {"W": 1, "A_in": nc.count_nonfinite(AI_bad)} == {"W": 1, "A_in": 1}
-    np.testing.assert_array_equal(forbidden["A_in"], nc.stack_forbidden(AI_bad, 1))
+    # block 1: the forbidden entries are those on and above the diagonal
+    np.testing.assert_array_equal(forbidden["A_in"], np.abs(np.triu(AI_bad)).max(axis=(1, 2)))
     assert nc.stack_checks({"W": W32[:0]}, {}) is None  # empty: the passes decide
 
     calls, order = [], []
@@ -618,8 +621,7 @@ def test_gpu_checks_run_as_kernels_and_refuse_bad_inputs(monkeypatch):
     from bakron.backends import numba_cuda as nc
     cp = _cp()
     calls = []
-    for name in ("count_nonfinite", "factor_scan", "stack_forbidden", "input_checks",
-                 "stack_checks"):
+    for name in ("count_nonfinite", "factor_scan", "input_checks", "stack_checks"):
         real = getattr(nc, name)
         monkeypatch.setattr(nc, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
     W, AO, AI, q = _problem(7, 64, 48, 8, 8)

@@ -237,7 +237,7 @@ def _compiled(xp, engine: str):
     """The compiled engine's module that may run a solve of these arrays and is available
     (the numba engine for numpy, the cuda engine for cupy; ``engine`` ``auto`` or that
     engine), else ``None``: its one-pass kernels (``count_nonfinite``, ``factor_scan``, and
-    on the GPU ``stack_forbidden``) then give the input and result checks their statistics,
+    on the GPU ``input_checks`` and ``stack_checks``) then give the input and result checks their statistics,
     instead of several array-API passes (at 2048² on 16 cores those took about a third of a
     solve, docs/engines.md, "Many cores"; on the H200 about 3 ms of a 5 ms solve at 1024²,
     "Checks on the GPU"). The decisions and messages stay here."""

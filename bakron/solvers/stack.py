@@ -212,29 +212,32 @@ def _check_finite_stack(xp, flat, name: str, fast=None) -> None:
         check_finite(xp, flat, name)
 
 
-def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str, fast=None) -> None:
-    """Every factor of the stack ``A`` (k, s, s) is ``L - I``: one kernel of the GPU engine
-    (``fast``, from ``solvers._compiled``), or one mask for all of them, factors taken a few
-    at a time (``_pass_items``); one synchronisation either way. The single-layer check
-    words the error for the first bad one."""
+def _refuse_factor(solvers, xp, A, j: int, block: int, name: str) -> None:
+    """Raise the single-layer check's error for factor ``j`` of the stack ``A`` (k, s, s),
+    which is not ``L - I``, naming it by its place in the flattened stack."""
+    label = name if A.shape[0] == 1 else f"{name}[{j}] (flattened stack)"
+    solvers._check_strictly_lower(xp, A[j, ...], block, label)
+
+
+def _check_strictly_lower_stack(solvers, xp, A, block: int, name: str) -> None:
+    """Every factor of the stack ``A`` (k, s, s) is ``L - I``: one mask for all of them,
+    factors taken a few at a time (``_pass_items``), one synchronisation (the GPU engine
+    reads every factor once in ``stack_checks`` instead). The single-layer check words the
+    error for the first bad one."""
     k, s = A.shape[0], A.shape[-1]
     if k == 0:
         return
-    scan = getattr(fast, "stack_forbidden", None)
-    bad = None if scan is None else scan(A, block)
-    if bad is None:
-        i = xp.arange(s, device=_xp.device(A))
-        blk = i // block
-        forbidden = ((i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None]))[None, ...]
-        zero = xp.zeros((1, 1, 1), dtype=A.dtype, device=_xp.device(A))
-        step = _pass_items(xp, s, s)
-        parts = (A[j0:min(k, j0 + step), ...] for j0 in range(0, k, step))
-        bad = xp.concat([_rows_first(xp.max, xp.abs(xp.where(forbidden, P, zero)))
-                         for P in parts])
+    i = xp.arange(s, device=_xp.device(A))
+    blk = i // block
+    forbidden = ((i[None, :] >= i[:, None]) | (blk[None, :] == blk[:, None]))[None, ...]
+    zero = xp.zeros((1, 1, 1), dtype=A.dtype, device=_xp.device(A))
+    step = _pass_items(xp, s, s)
+    parts = (A[j0:min(k, j0 + step), ...] for j0 in range(0, k, step))
+    bad = xp.concat([_rows_first(xp.max, xp.abs(xp.where(forbidden, P, zero)))
+                     for P in parts])
     if float(xp.max(bad)) != 0.0:
         j = int(_xp.to_numpy(xp.argmax(xp.astype(bad != 0, xp.int8))))
-        label = name if k == 1 else f"{name}[{j}] (flattened stack)"
-        solvers._check_strictly_lower(xp, A[j, ...], block, label)
+        _refuse_factor(solvers, xp, A, j, block, name)
 
 
 def _start_value_checks(solvers, xp, W_flat, factors, fast):
@@ -256,7 +259,7 @@ def _start_value_checks(solvers, xp, W_flat, factors, fast):
         _check_finite_stack(xp, W_flat, "W", fast)
         for name, flat, blk in factors:
             _check_finite_stack(xp, flat, name, fast)
-            _check_strictly_lower_stack(solvers, xp, flat, blk, name, fast)
+            _check_strictly_lower_stack(solvers, xp, flat, blk, name)
 
     def decide():
         nonfinite, forbidden = read()
@@ -265,9 +268,7 @@ def _start_value_checks(solvers, xp, W_flat, factors, fast):
             check_finite(xp, flat, name, known=nonfinite[name])
             bad = np.flatnonzero(np.asarray(forbidden[name]))
             if bad.size:
-                j = int(bad[0])
-                label = name if flat.shape[0] == 1 else f"{name}[{j}] (flattened stack)"
-                solvers._check_strictly_lower(xp, flat[j, ...], blk, label)
+                _refuse_factor(solvers, xp, flat, int(bad[0]), blk, name)
 
     return passes if read is None else decide
 
