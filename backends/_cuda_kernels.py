@@ -160,7 +160,8 @@ def chunk_for(tx: int, ty: int, itemsize: int) -> int:
 
 
 def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
-                items: bool = False, running: bool = True, per_thread: int = 1):
+                items: bool = False, running: bool = True, per_thread: int = 1,
+                local: bool = False):
     """The block kernel for ``dtype_name`` ('float32'/'float64') and a ``tx x ty`` tile.
 
     ``mode='ptr'``: compiled eagerly with raw-pointer arguments (launch with integers);
@@ -175,11 +176,16 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     each forming its whole sums in chunks of ``chunk_for`` (fewer loads per product: better
     when a block's sums fit one chunk, docs/engines.md, "The GPU tile step").
     ``per_thread``: elements of the tile per thread (``threads_for``; a CTA of fewer
-    threads, more of them resident). Returns ``(dispatcher, threads)``.
+    threads, more of them resident). ``local``: each CTA solves whole blocks, one after the
+    other, its tile steps separated by ``syncthreads`` instead of grid synchronisations
+    (for launches of many small blocks, docs/engines.md, "Blocks per CTA"). Returns
+    ``(dispatcher, threads)``.
     """
-    key = (dtype_name, tx, ty, mode, maxreg, bool(items), bool(running), int(per_thread))
+    key = (dtype_name, tx, ty, mode, maxreg, bool(items), bool(running), int(per_thread),
+           bool(local))
     ITEMS = bool(items)
     RUN = bool(running)
+    LOCAL = bool(local)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
@@ -191,6 +197,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     if RUN:  # a running sum's products have an inner dimension of one tile
         KC = min(KC, max(TX, TY))
     NE = (TX * TY + NT - 1) // NT
+    KU = math.gcd(KC, 8)  # the products' inner runs (unrolled), dividing KC
     TXY = TX * TY
     KTX = KC * TX
     KTY = KC * TY
@@ -354,8 +361,8 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     def load_chunk(st, c, AO, F, E, AI, m, n, pa, py, pe, pi):
         """Chunk ``c`` of the two products' operands into registers: rows ``k0 + c KC ..``
         of ``A_O[:, rows]`` and ``E[:, cols]``, columns ``l0 + c KC ..`` of ``Y[rows, :]``
-        and rows of ``A_I[:, cols]`` (zeros past their ends). Returns whether the chunk has
-        a pull and whether it has target terms."""
+        and rows of ``A_I[:, cols]`` (zeros past their ends). Returns the chunk's depth of
+        the pull and of the target terms (``<= 0``: none)."""
         (i0, j0, hx, hy, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off, e_off, ao_off,
          ai_off, s_off, z_off) = st
         tid = cuda.threadIdx.x
@@ -396,7 +403,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                         vi = AI[ai_off + (ll0 + kk) * n + j0 + jj]
             pe[r] = ve
             pi[r] = vi
-        return kc > 0, lc > 0
+        return kc, lc
 
     @device
     def to_shared(pa, py, pe, pi, sAO, sY, sE, sAI):
@@ -417,20 +424,34 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                 sAI[kk, idx - kk * TY] = pi[r]
 
     @device
-    def products(pull, tgt, sAO, sE, sY, sAI, accp, acct):
-        """Add the chunk's ``A_O^T E`` to the pull and its ``Y A_I`` to the target terms."""
+    def products(kc, lc, sAO, sE, sY, sAI, accp, acct):
+        """Add the chunk's ``A_O^T E`` (depth ``kc``) to the pull and its ``Y A_I`` (depth
+        ``lc``) to the target terms, in runs of ``KU`` (the chunk's zeros past the depth are
+        left out but for the rest of the last run; adding them changes no sum). Running
+        sums have a depth of one tile, ``KC``: a loop of constant length, unrolled (a
+        4096² solve took 6 % longer in its tile kernels with the depth's bound)."""
+        if RUN:
+            nkp = KC // KU
+            nkt = KC // KU
+        else:
+            nkp = (kc + KU - 1) // KU
+            nkt = (lc + KU - 1) // KU
         for e in range(NE):
             inside, ii, jj = element(e)
             if inside:
-                if pull:
+                if kc > 0:
                     sp = dt(0.0)
-                    for kk in range(KC):
-                        sp += sAO[kk, ii] * sE[kk, jj]
+                    for kb in range(nkp):
+                        for ku in range(KU):
+                            kk = kb * KU + ku
+                            sp += sAO[kk, ii] * sE[kk, jj]
                     accp[e] += sp
-                if tgt:
+                if lc > 0:
                     st_ = dt(0.0)
-                    for kk in range(KC):
-                        st_ += sY[ii, kk] * sAI[kk, jj]
+                    for kb in range(nkt):
+                        for ku in range(KU):
+                            kk = kb * KU + ku
+                            st_ += sY[ii, kk] * sAI[kk, jj]
                     acct[e] += st_
 
     @device
@@ -538,53 +559,77 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
         has_t = (flags & HAS_T) != 0
         lo = dt(lo_i)
         hi = dt(hi_i)
-        for g in range(nsteps):
-            # the items of this step over all blocks: the blocks repeat the tile ranges of
-            # the first ``period`` (``numba_cuda._period``: 1 for equal blocks; a stack's
-            # items repeat one item's), so count one period and multiply; the shape of the
-            # period's first block is kept for ``item_of``
-            per = 0
-            s0 = 0
-            rows0 = 0
-            a_lo0 = 0
-            b_lo0 = 0
-            for bi in range(period):
-                d = bi * DESC
-                cnt, s, rows, a_lo, b_lo = _step_shape(desc[d + DESC_RB] - desc[d + DESC_RA],
-                                                       desc[d + DESC_CB] - desc[d + DESC_CA],
-                                                       g, two, RUN)
-                if bi == 0:
-                    s0 = s
-                    rows0 = rows
-                    a_lo0 = a_lo
-                    b_lo0 = b_lo
-                per += cnt
-            total = (nblk // period) * per
-            w = cuda.blockIdx.x
-            while w < total:
-                st = item_of(w, per, period, desc, g, two, s0, rows0, a_lo0, b_lo0, m, n)
-                load_sums(st, W, F, E, Yg, S, n, has_f, has_yg, s_rows, s_cols, gsz,
-                          accp, acct, pw, ps)
-                k0 = st[8]
-                k1 = st[9]
-                l0 = st[10]
-                l1 = st[11]
-                nch = (k1 - k0 + KC - 1) // KC
-                ntgt = (l1 - l0 + KC - 1) // KC
-                if ntgt > nch:
-                    nch = ntgt
-                for c in range(nch):
-                    # every global load of the chunk first (registers), then the stores
-                    # to shared memory: the loads are in flight together
-                    pull, tgt = load_chunk(st, c, AO, F, E, AI, m, n, pa, py, pe, pi)
-                    to_shared(pa, py, pe, pi, sAO, sY, sE, sAI)
+        # grid-wide steps: step g's items of all blocks spread over the CTAs, then a grid
+        # synchronisation; blocks per CTA (LOCAL): this CTA's blocks one after the other,
+        # each step's items of the block in turn, then a synchronisation of the CTA (its
+        # stores are then visible to its threads, and blocks of a launch are independent)
+        nown = 1
+        stride = cuda.gridDim.x
+        if LOCAL:
+            nown = (nblk - cuda.blockIdx.x + cuda.gridDim.x - 1) // cuda.gridDim.x
+            stride = 1
+        for ob in range(nown):
+            for g in range(nsteps):
+                if LOCAL:
+                    b = cuda.blockIdx.x + ob * cuda.gridDim.x
+                    d = b * DESC
+                    per, s0, rows0, a_lo0, b_lo0 = _step_shape(
+                        desc[d + DESC_RB] - desc[d + DESC_RA],
+                        desc[d + DESC_CB] - desc[d + DESC_CA], g, two, RUN)
+                    # item_of's w // per is then b (period 1)
+                    w = b * per
+                    total = w + per
+                    period = 1
+                else:
+                    # the items of this step over all blocks: the blocks repeat the tile ranges
+                    # of the first ``period`` (``numba_cuda._period``: 1 for equal blocks; a
+                    # stack's items repeat one item's), so count one period and multiply; the
+                    # shape of the period's first block is kept for ``item_of``
+                    per = 0
+                    s0 = 0
+                    rows0 = 0
+                    a_lo0 = 0
+                    b_lo0 = 0
+                    for bi in range(period):
+                        d = bi * DESC
+                        cnt, s, rows, a_lo, b_lo = _step_shape(
+                            desc[d + DESC_RB] - desc[d + DESC_RA],
+                            desc[d + DESC_CB] - desc[d + DESC_CA], g, two, RUN)
+                        if bi == 0:
+                            s0 = s
+                            rows0 = rows
+                            a_lo0 = a_lo
+                            b_lo0 = b_lo
+                        per += cnt
+                    total = (nblk // period) * per
+                    w = cuda.blockIdx.x
+                while w < total:
+                    st = item_of(w, per, period, desc, g, two, s0, rows0, a_lo0, b_lo0, m, n)
+                    load_sums(st, W, F, E, Yg, S, n, has_f, has_yg, s_rows, s_cols, gsz,
+                              accp, acct, pw, ps)
+                    k0 = st[8]
+                    k1 = st[9]
+                    l0 = st[10]
+                    l1 = st[11]
+                    nch = (k1 - k0 + KC - 1) // KC
+                    ntgt = (l1 - l0 + KC - 1) // KC
+                    if ntgt > nch:
+                        nch = ntgt
+                    for c in range(nch):
+                        # every global load of the chunk first (registers), then the stores
+                        # to shared memory: the loads are in flight together
+                        kc, lc = load_chunk(st, c, AO, F, E, AI, m, n, pa, py, pe, pi)
+                        to_shared(pa, py, pe, pi, sAO, sY, sE, sAI)
+                        cuda.syncthreads()
+                        products(kc, lc, sAO, sE, sY, sAI, accp, acct)
+                        cuda.syncthreads()
+                    finish(st, accp, acct, pw, ps, F, E, Yg, Z, Wq, codes, T, n, has_yg,
+                           has_t, asym, z_rows, z_cols, gsz, lo, hi)
+                    w += stride
+                if LOCAL:
                     cuda.syncthreads()
-                    products(pull, tgt, sAO, sE, sY, sAI, accp, acct)
-                    cuda.syncthreads()
-                finish(st, accp, acct, pw, ps, F, E, Yg, Z, Wq, codes, T, n, has_yg,
-                       has_t, asym, z_rows, z_cols, gsz, lo, hi)
-                w += cuda.gridDim.x
-            grid.sync()
+                else:
+                    grid.sync()
 
     if mode == "ptr":
         P = types.CPointer(dt)

@@ -133,6 +133,9 @@ GATHER_SPLIT_MAX = _int_option("BAKRON_CUDA_GATHER_SPLIT", 8, 1)
 #: The scatter GEMMs' output rows in chunks of this many coarse block rows, leaving out the
 #: chunks where ``A_O`` is zero (0: one entry per block over the group's rows, as before).
 SCATTER_ROWS = _int_option("BAKRON_CUDA_SCATTER_ROWS", 1, 0)
+#: Launches of at least this many blocks solve whole blocks per CTA, one after the other,
+#: without grid synchronisations (0: never; docs/engines.md, "Blocks per CTA").
+LOCAL_BLOCKS = _int_option("BAKRON_CUDA_LOCAL_BLOCKS", 64, 0)
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
 #: (the recursion's base, the wavefront's coarse block). Measured: docs/benchmarks/h200.md.
@@ -163,20 +166,23 @@ def per_thread(running: bool) -> int:
     return 2 if running else 1
 
 
-def kernel_variant(dtname: str, tx: int, ty: int, items: bool, running: bool):
+def kernel_variant(dtname: str, tx: int, ty: int, items: bool, running: bool,
+                   local: bool = False):
     """``(dispatcher, threads)`` of the kernel for a dtype, tile and step under the module's
-    options (``LAUNCH``, ``MAXREG``, ``PER_THREAD``); compiled once and cached."""
+    options (``LAUNCH``, ``MAXREG``, ``PER_THREAD``); compiled once and cached. ``local``:
+    the variant that solves whole blocks per CTA (``LOCAL_BLOCKS``)."""
     return _kernels().make_kernel(dtname, tx, ty,
                                   "array" if (SIM or LAUNCH == "array") else "ptr",
                                   0 if SIM else MAXREG, items=items, running=running,
-                                  per_thread=per_thread(running))
+                                  per_thread=per_thread(running), local=local)
 
 
-def grid_key(dtname: str, tx: int, ty: int, items: bool, running: bool, dev: int) -> tuple:
+def grid_key(dtname: str, tx: int, ty: int, items: bool, running: bool, dev: int,
+             local: bool = False) -> tuple:
     """The key of a kernel variant's cooperative grid size in ``_MAXGRID`` (filled on its first
     launch; the GPU benchmark reports it)."""
     return (dtname, tx, ty, LAUNCH, MAXREG, bool(items), bool(running), per_thread(running),
-            dev)
+            dev, bool(local))
 
 
 def _cuda():
@@ -278,23 +284,24 @@ class _DeviceSolve:
         chain = max((Mb - 1) * p.tx if p.two_sided else 0, (Nb - 1) * p.ty)
         return chain > _kernels().chunk_for(p.tx, p.ty, self.isz)
 
-    def kernel(self, running: bool):
+    def kernel(self, running: bool, local: bool = False):
         """``(dispatcher, threads)`` of the kernel variant for this solve."""
-        hit = self._kernels.get(running)
+        hit = self._kernels.get((running, local))
         if hit is None:
             p = self.p
-            hit = self._kernels[running] = kernel_variant(self.dtname, p.tx, p.ty,
-                                                          self.items, running)
+            hit = self._kernels[(running, local)] = kernel_variant(
+                self.dtname, p.tx, p.ty, self.items, running, local)
         return hit
 
-    def max_grid(self, running: bool) -> int:
+    def max_grid(self, running: bool, local: bool = False) -> int:
         if SIM:
             return 1
-        key = grid_key(self.dtname, self.p.tx, self.p.ty, self.items, running, self.dev)
+        key = grid_key(self.dtname, self.p.tx, self.p.ty, self.items, running, self.dev,
+                       local)
         g = _MAXGRID.get(key)
         if g is None:
             cuda = _cuda()
-            disp, nt = self.kernel(running)
+            disp, nt = self.kernel(running, local)
             with cuda.gpus[self.dev]:
                 if LAUNCH == "ptr":
                     kern = next(iter(disp.overloads.values()))
@@ -343,11 +350,13 @@ class _DeviceSolve:
         """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``; the
         tile ranges of the first ``period`` repeat, see ``params``; ``span``: the largest
         block's tiles ``(Mb, Nb)``, which picks the kernel's step, ``running``; ``grid``:
-        the CTAs for each step, ``_widths``)."""
+        the CTAs for each step, ``_widths``). Launches of at least ``LOCAL_BLOCKS`` blocks
+        take the kernel that solves whole blocks per CTA."""
         W = self.W
         run = self.running(span)
-        kernel, nt = self.kernel(run)
-        width = grid[0] if run else grid[1]
+        local = 0 < LOCAL_BLOCKS <= nblk
+        kernel, nt = self.kernel(run, local)
+        width = nblk if local else grid[0] if run else grid[1]
         prm = self.params(nblk, nsteps, flags, period)
         if SIM:
             dsc = desc[first * DESC:]
@@ -363,7 +372,7 @@ class _DeviceSolve:
                    a(self.T if self.T is not None else W))
         quant_grid = (a(self.S), a(self.Z if self.Z is not None else self.S))
         args = _kernel_order(problem, buffers, quant_grid, (dsc, prm))
-        ctas = max(1, min(width, self.max_grid(run)))
+        ctas = max(1, min(width, self.max_grid(run, local)))
         self.launches += 1
         if SIM:
             kernel[1, nt](*args)

@@ -877,6 +877,53 @@ def test_sim_stack_wavefront_batched_gemms(two_sided, base):
 
 
 @sim_only
+@pytest.mark.parametrize("two_sided", [True, False])
+def test_sim_blocks_per_cta_equal_grid_steps(monkeypatch, two_sided):
+    """Launches of at least ``LOCAL_BLOCKS`` blocks take the kernel that solves whole blocks
+    per CTA (steps separated by ``syncthreads``): a stack's wavefront (ragged tiles, per-item
+    A_out, A_in shared) and single solves give bitwise the results of the grid-wide steps
+    and of the array-API reference."""
+    from bakron.backends import numba_cuda as nc
+    W, AO, AI, qs = _stack(7, 3, 9, 7, 2, 3, two_sided=two_sided, shared_in=True)
+    used = []
+    variant = nc.kernel_variant
+
+    def spy(*args, **kw):
+        used.append(bool(kw.get("local", args[5] if len(args) > 5 else False)))
+        return variant(*args, **kw)
+    monkeypatch.setattr(nc, "kernel_variant", spy)
+    runs = {}
+    for local in (0, 2):
+        monkeypatch.setattr(nc, "LOCAL_BLOCKS", local)
+        used.clear()
+        stack = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="wavefront",
+                             base=2)
+        one = _cuda(W[1], _item(AO, 1), AI, qs[1], (2, 3), "wavefront", 2)
+        runs[local] = (stack, one, list(used))
+    assert not any(runs[0][2]) and any(runs[2][2])
+    for a, b in zip(runs[0][:2], runs[2][:2]):
+        np.testing.assert_array_equal(a.values, b.values)
+        np.testing.assert_array_equal(a.codes, b.codes)
+    ref = _ref(W[1], _item(AO, 1), AI, qs[1], (2, 3))
+    np.testing.assert_array_equal(runs[2][1].values, ref.values)
+    _check_items(runs[2][0], W, AO, AI, qs, (2, 3), engine="array_api")
+
+
+@sim_only
+def test_sim_whole_sums_deeper_than_one_chunk(monkeypatch):
+    """The step without running sums forms a tile's sums in K-chunks of ``chunk_for`` (64)
+    and multiplies only each chunk's depth (in runs of 8): sums 72 deep (two chunks, the
+    second ragged) give the array-API reference's values and codes exactly (float64)."""
+    from bakron.backends import numba_cuda as nc
+    monkeypatch.setattr(nc, "STEP", "chain")
+    W, AO, AI, q = _problem(11, 80, 76, 8, 8)
+    ref = _ref(W, AO, AI, q, (8, 8))
+    r = _cuda(W, AO, AI, q, (8, 8), "antidiagonal")
+    np.testing.assert_array_equal(r.values, ref.values)
+    np.testing.assert_array_equal(r.codes, ref.codes)
+
+
+@sim_only
 def test_sim_stack_base_follows_item_size(monkeypatch):
     """``base=None`` on a stack: ``STACK_BASE`` tiles for items below ``STACK_LARGE`` tiles a
     side, the single layer's ``DEFAULT_BASE`` from there on (lowered here so that a small
