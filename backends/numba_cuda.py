@@ -133,9 +133,11 @@ GATHER_SPLIT_MAX = _int_option("BAKRON_CUDA_GATHER_SPLIT", 8, 1)
 #: The scatter GEMMs' output rows in chunks of this many coarse block rows, leaving out the
 #: chunks where ``A_O`` is zero (0: one entry per block over the group's rows, as before).
 SCATTER_ROWS = _int_option("BAKRON_CUDA_SCATTER_ROWS", 1, 0)
-#: Launches of at least this many blocks solve whole blocks per CTA, one after the other,
-#: without grid synchronisations (0: never; docs/engines.md, "Blocks per CTA").
+#: Launches of at least ``LOCAL_BLOCKS`` blocks of at most ``LOCAL_TILES`` tiles each solve
+#: whole blocks per CTA, one after the other, without grid synchronisations (0: never;
+#: docs/engines.md, "Blocks per CTA").
 LOCAL_BLOCKS = _int_option("BAKRON_CUDA_LOCAL_BLOCKS", 64, 0)
+LOCAL_TILES = _int_option("BAKRON_CUDA_LOCAL_TILES", 16, 1)
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
 #: (the recursion's base, the wavefront's coarse block). Measured: docs/benchmarks/h200.md.
@@ -350,11 +352,11 @@ class _DeviceSolve:
         """Solve ``nblk`` blocks (rows ``first..`` of the descriptor table ``desc``; the
         tile ranges of the first ``period`` repeat, see ``params``; ``span``: the largest
         block's tiles ``(Mb, Nb)``, which picks the kernel's step, ``running``; ``grid``:
-        the CTAs for each step, ``_widths``). Launches of at least ``LOCAL_BLOCKS`` blocks
-        take the kernel that solves whole blocks per CTA."""
+        the CTAs for each step, ``_widths``). Launches of many small blocks take the kernel
+        that solves whole blocks per CTA (``_local``)."""
         W = self.W
         run = self.running(span)
-        local = 0 < LOCAL_BLOCKS <= nblk
+        local = _local(nblk, span)
         kernel, nt = self.kernel(run, local)
         width = nblk if local else grid[0] if run else grid[1]
         prm = self.params(nblk, nsteps, flags, period)
@@ -599,6 +601,14 @@ def _widths(shapes, two: bool, copies: int = 1) -> tuple:
     shapes = list(shapes)
     return (copies * sum(int(a) * int(b) for a, b in shapes),
             copies * sum(step_width(int(a), int(b), two) for a, b in shapes))
+
+
+def _local(nblk: int, span) -> bool:
+    """Whether a launch of ``nblk`` blocks, the largest ``span = (Mb, Nb)`` tiles, solves
+    whole blocks per CTA: at least ``LOCAL_BLOCKS`` blocks of at most ``LOCAL_TILES`` tiles
+    (measured on the H200: blocks of 4 x 4 tiles gain, whole 16 x 16-tile matrices per CTA
+    took 2.4 times as long as their grid-wide steps; docs/engines.md, "Blocks per CTA")."""
+    return 0 < LOCAL_BLOCKS <= nblk and int(span[0]) * int(span[1]) <= LOCAL_TILES
 
 
 def _period(shapes) -> int:
@@ -1082,6 +1092,9 @@ def _stack_antidiagonal(r: _StackSolve) -> str:
     nsteps = step_count(p.M, p.N, two)
     r.launch(desc, 0, r.nb, nsteps, _widths([(p.M, p.N)], two, r.nb), 0, Y, period=1,
              span=(p.M, p.N))
+    if _local(r.nb, (p.M, p.N)):
+        return (f"one launch for {r.nb} items: each CTA solves whole items, {nsteps} tile "
+                f"steps each")
     return (f"one launch for {r.nb} items: {nsteps} grid-synchronised tile steps, each over "
             f"the tiles of every item")
 

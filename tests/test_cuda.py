@@ -880,10 +880,12 @@ def test_sim_stack_wavefront_batched_gemms(two_sided, base):
 @pytest.mark.parametrize("two_sided", [True, False])
 def test_sim_blocks_per_cta_equal_grid_steps(monkeypatch, two_sided):
     """Launches of at least ``LOCAL_BLOCKS`` blocks take the kernel that solves whole blocks
-    per CTA (steps separated by ``syncthreads``): a stack's wavefront (ragged tiles, per-item
-    A_out, A_in shared) and single solves give bitwise the results of the grid-wide steps
-    and of the array-API reference."""
+    per CTA (steps separated by ``syncthreads``): a stack's wavefront and anti-diagonal
+    (ragged tiles, per-item A_out, A_in shared) and single solves give bitwise the results
+    of the grid-wide steps and of the array-API reference."""
     from bakron.backends import numba_cuda as nc
+    assert nc._local(64, (4, 4)) and nc._local(500, (2, 8))
+    assert not nc._local(63, (4, 4)) and not nc._local(64, (16, 16))  # whole 256² items
     W, AO, AI, qs = _stack(7, 3, 9, 7, 2, 3, two_sided=two_sided, shared_in=True)
     used = []
     variant = nc.kernel_variant
@@ -899,14 +901,19 @@ def test_sim_blocks_per_cta_equal_grid_steps(monkeypatch, two_sided):
         stack = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="wavefront",
                              base=2)
         one = _cuda(W[1], _item(AO, 1), AI, qs[1], (2, 3), "wavefront", 2)
-        runs[local] = (stack, one, list(used))
-    assert not any(runs[0][2]) and any(runs[2][2])
-    for a, b in zip(runs[0][:2], runs[2][:2]):
+        # an anti-diagonal stack of items of 5 x 3 tiles: one block per item
+        whole = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="antidiagonal")
+        runs[local] = (stack, one, whole, list(used))
+    assert not any(runs[0][3]) and any(runs[2][3])
+    assert "each CTA solves whole items" in runs[2][2].info["stack_run"]
+    assert "grid-synchronised" in runs[0][2].info["stack_run"]
+    for a, b in zip(runs[0][:3], runs[2][:3]):
         np.testing.assert_array_equal(a.values, b.values)
         np.testing.assert_array_equal(a.codes, b.codes)
     ref = _ref(W[1], _item(AO, 1), AI, qs[1], (2, 3))
     np.testing.assert_array_equal(runs[2][1].values, ref.values)
     _check_items(runs[2][0], W, AO, AI, qs, (2, 3), engine="array_api")
+    _check_items(runs[2][2], W, AO, AI, qs, (2, 3), engine="array_api")
 
 
 @sim_only
