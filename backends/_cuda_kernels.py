@@ -13,7 +13,9 @@ quantizer's grid) come in one int64 launch descriptor ``prm`` (fields ``P_*``).
 Step ``g = 0, 1, ...`` rounds local anti-diagonal ``s = Mb + Nb - 2 - g`` of every block
 (two-sided) or tile column ``s = Nb - 1 - g`` (one-sided), and ``this_grid().sync()``
 separates the steps. So a block's whole wavefront, a whole phase of independent blocks, and
-the whole anti-diagonal of every item of a stack, is one launch.
+the whole anti-diagonal of every item of a stack, is one launch. The variant for launches of
+many small blocks (``local``) gives each CTA whole blocks instead: it runs their steps one
+after the other, ``syncthreads`` between them, and never synchronises the grid.
 
 The target of tile (a, b) of a block with rows [R0, R1) and columns [C0, C1) (the rounding rule
 of docs/algorithm.md in the block-local accumulator form) is::
@@ -178,8 +180,8 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     ``per_thread``: elements of the tile per thread (``threads_for``; a CTA of fewer
     threads, more of them resident). ``local``: each CTA solves whole blocks, one after the
     other, its tile steps separated by ``syncthreads`` instead of grid synchronisations
-    (for launches of many small blocks, docs/engines.md, "Blocks per CTA"). Returns
-    ``(dispatcher, threads)``.
+    (for launches of many small blocks; docs/engines.md, "Blocks per CTA and the depth of
+    whole sums"). Returns ``(dispatcher, threads)``.
     """
     key = (dtype_name, tx, ty, mode, maxreg, bool(items), bool(running), int(per_thread),
            bool(local))

@@ -62,6 +62,11 @@ Options (module attributes, or environment variables read at import):
   contributions of the tiles rounded at the step before), or each tile's whole sums formed
   when it rounds; ``auto`` takes running sums when a block's sums need more than one
   K-chunk (blocks of more than 5 tiles of 16).
+* ``LOCAL_BLOCKS`` (``BAKRON_CUDA_LOCAL_BLOCKS``, default 64), ``LOCAL_TILES``
+  (``BAKRON_CUDA_LOCAL_TILES``, default 16): launches of at least that many blocks of at
+  most that many tiles solve whole blocks per CTA without grid synchronisations (a
+  stack's coarse steps; 0 blocks: never; docs/engines.md, "Blocks per CTA and the depth
+  of whole sums").
 * ``STACK_BASE`` (``BAKRON_CUDA_STACK_BASE``, default 4): the coarse block of a stack's
   wavefront when ``base`` is not given (below).
 * ``STACK`` (``BAKRON_CUDA_STACK``, default 1): the stack hook ``solve_stack`` (every launch
@@ -135,7 +140,7 @@ GATHER_SPLIT_MAX = _int_option("BAKRON_CUDA_GATHER_SPLIT", 8, 1)
 SCATTER_ROWS = _int_option("BAKRON_CUDA_SCATTER_ROWS", 1, 0)
 #: Launches of at least ``LOCAL_BLOCKS`` blocks of at most ``LOCAL_TILES`` tiles each solve
 #: whole blocks per CTA, one after the other, without grid synchronisations (0: never;
-#: docs/engines.md, "Blocks per CTA").
+#: docs/engines.md, "Blocks per CTA and the depth of whole sums").
 LOCAL_BLOCKS = _int_option("BAKRON_CUDA_LOCAL_BLOCKS", 64, 0)
 LOCAL_TILES = _int_option("BAKRON_CUDA_LOCAL_TILES", 16, 1)
 
@@ -607,7 +612,8 @@ def _local(nblk: int, span) -> bool:
     """Whether a launch of ``nblk`` blocks, the largest ``span = (Mb, Nb)`` tiles, solves
     whole blocks per CTA: at least ``LOCAL_BLOCKS`` blocks of at most ``LOCAL_TILES`` tiles
     (measured on the H200: blocks of 4 x 4 tiles gain, whole 16 x 16-tile matrices per CTA
-    took 2.4 times as long as their grid-wide steps; docs/engines.md, "Blocks per CTA")."""
+    took 2.4 times as long as their grid-wide steps; docs/engines.md, "Blocks per CTA and
+    the depth of whole sums")."""
     return 0 < LOCAL_BLOCKS <= nblk and int(span[0]) * int(span[1]) <= LOCAL_TILES
 
 
