@@ -885,6 +885,8 @@ def test_sim_blocks_per_cta_equal_grid_steps(monkeypatch, two_sided):
     (ragged tiles, per-item A_out, A_in shared) and single solves give bitwise the results
     of the grid-wide steps and of the array-API reference."""
     from bakron.backends import numba_cuda as nc
+    monkeypatch.setattr(nc, "LOCAL_BLOCKS", 64)  # the defaults, whatever the environment
+    monkeypatch.setattr(nc, "LOCAL_TILES", 16)
     assert nc._local(64, (4, 4)) and nc._local(500, (2, 8))
     assert not nc._local(63, (4, 4)) and not nc._local(64, (16, 16))  # whole 256² items
     W, AO, AI, qs = _stack(7, 3, 9, 7, 2, 3, two_sided=two_sided, shared_in=True)
