@@ -306,14 +306,6 @@ def _scan_layout(s: int) -> tuple:
     return rows, -(-s // rows)
 
 
-def _launch_stack_scan(ctx, A, k: int, s: int, block: int, bad, cnt) -> None:
-    """``_stack_scan`` over the flat stack ``A`` of ``k`` factors ``s x s``: ``k * cpi``
-    CTAs, their results in ``bad`` and ``cnt`` (``k * cpi`` entries each, factor by
-    factor)."""
-    rows, cpi = _scan_layout(s)
-    _launch(ctx, "stack_scan", str(A.dtype), k * cpi, A, s, int(block), cpi, rows, bad, cnt)
-
-
 def input_checks(ctx, arrays: dict, blocks: dict):
     """The statistics of ``bakron.solve``'s input checks in one go: for each array of
     ``arrays`` (name -> array) the number of NaN and Inf entries; for each factor named in
@@ -375,10 +367,12 @@ def stack_checks(ctx, arrays: dict, blocks: dict):
         return None
     mod = ctx[0]
     flat = {name: mod.reshape(mod.ascontiguousarray(X), (-1,)) for name, X in arrays.items()}
+    # a factor stack of k factors s x s: k * cpi CTAs of _stack_scan, one result each
+    layout = {name: _scan_layout(arrays[name].shape[-1]) for name in blocks}
     regions, end = {}, 0
     for name, x in flat.items():
-        k, s = arrays[name].shape[0], arrays[name].shape[-1]
-        size = k * _scan_layout(s)[1] if name in blocks else _count_ctas(ctx, x.shape[0])
+        k = arrays[name].shape[0]
+        size = k * layout[name][1] if name in blocks else _count_ctas(ctx, x.shape[0])
         regions[name, "count"] = (end, end + size)
         end += size
         if name in blocks:
@@ -389,8 +383,9 @@ def stack_checks(ctx, arrays: dict, blocks: dict):
     for name, x in flat.items():
         if name in blocks:
             k, s = arrays[name].shape[0], arrays[name].shape[-1]
-            _launch_stack_scan(ctx, x, k, s, blocks[name], part[name, "bad"],
-                               part[name, "count"])
+            rows, cpi = layout[name]
+            _launch(ctx, "stack_scan", str(x.dtype), k * cpi, x, s, int(blocks[name]), cpi,
+                    rows, part[name, "bad"], part[name, "count"])
         else:
             _count(ctx, x, part[name, "count"])
 
