@@ -186,8 +186,9 @@ def read_gguf(path, *, dtype="float32", tokenizer: bool = True) -> GGUFModel:
     if tokenizer and (tokens is None or "tokenizer.ggml.merges" not in big):
         missing = " and ".join(k for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
                                if k not in big)
-        raise ModelFileError(f"{source} has no tokenizer: the metadata lacks {missing} (read "
-                             f"it with tokenizer=False to use token ids only)")
+        raise ModelFileError(f"{source} has no tokenizer: the metadata lacks {missing} (llama.cpp "
+                             f"cannot use it either; read_gguf(..., tokenizer=False) reads the "
+                             f"weights alone)")
     by_name = {t.name: t for t in header.tensors}
     qtypes = {t.name: _check_type(gguf, t, source) for t in header.tensors}
     shapes = {t.name: t.shape for t in header.tensors}
@@ -200,18 +201,19 @@ def read_gguf(path, *, dtype="float32", tokenizer: bool = True) -> GGUFModel:
         if not (factors > 0).all():
             raise ModelFileError(f"{source}: tensor 'rope_freqs.weight' holds a divisor <= 0")
     cfg = _config(meta, shapes, tokens, source, factors)
+    rows = shapes.get("token_embd.weight", (cfg.vocab_size,))[0]
+    if tokens is not None and len(tokens) != rows or rows != cfg.vocab_size:
+        raise ModelFileError(
+            f"{source}: the tokenizer has {len(tokens) if tokens is not None else 'no'} tokens "
+            f"(tokenizer.ggml.tokens), the embedding token_embd.weight {rows} rows"
+            f"{f' and {arch}.vocab_size is {cfg.vocab_size}' if arch + '.vocab_size' in meta else ''}"
+            f"; they must agree (llama.cpp refuses such a file too)")
     check_shapes(cfg, shapes, source=source, key=f"metadata {arch}.block_count")
     want = weight_shapes(cfg)
     for name in by_name:
         if name.startswith("blk.") and name not in want:
             raise UnsupportedModelError(f"{source}: tensor {name!r} is not part of a {arch} "
                                         f"block as bakron implements it (it would be ignored)")
-    if tokens is not None and len(tokens) != cfg.vocab_size:
-        raise ModelFileError(
-            f"{source}: the tokenizer has {len(tokens)} tokens (tokenizer.ggml.tokens) but "
-            f"the model's vocabulary has {cfg.vocab_size} rows (token_embd.weight"
-            f"{', ' + arch + '.vocab_size' if arch + '.vocab_size' in meta else ''}); "
-            f"llama.cpp refuses such a file too")
     weights = {}
     for name in want:
         t = by_name[name]

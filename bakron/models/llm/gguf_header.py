@@ -212,13 +212,14 @@ def _parse(buf, size, source, unsupported) -> GGUFHeader:
                                  f"not a multiple of its type's block of {block}")
         nbytes = n // block * type_size
         if offset != expected:
-            why = ("is not aligned to" if offset % alignment else
-                   "overlaps another tensor's data at" if offset < expected else
-                   "leaves a gap before it at")
+            why = (f"it is not a multiple of the alignment ({alignment})" if offset % alignment
+                   else "its data would overlap the tensors before it" if offset < expected
+                   else "it leaves a gap after the tensor before it")
             raise ModelFileError(
-                f"{source}: tensor {name!r} has data offset {offset}, expected {expected}: it "
-                f"{why} the data layout (tensors follow each other in table order, each "
-                f"aligned to {alignment} bytes); the file is corrupt or was tampered with")
+                f"{source}: tensor {name!r} has data offset {offset}, expected {expected}: "
+                f"{why} (tensors follow each other in table order, each aligned to "
+                f"{alignment} bytes, as llama.cpp requires); the file is corrupt or was "
+                f"tampered with")
         end = data_start + offset + nbytes
         if end > size:
             raise ModelFileError(f"{source}: tensor {name!r} needs bytes up to offset {end} "

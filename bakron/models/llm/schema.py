@@ -288,7 +288,7 @@ def check_tensor_values(a: np.ndarray, name: str, source: str) -> None:
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ModelFileError(f"{source}: tensor {name!r} holds {n} NaN or infinite "
                              f"value{'s' if n > 1 else ''} (the first at index {where}, "
-                             f"{a[where]!r}) in {a.dtype}")
+                             f"{float(a[where])}) in {a.dtype}")
     big = float(max(-float(lo), float(hi)))
     raise ModelFileError(f"{source}: tensor {name!r} holds a value of magnitude {big:.3g}; "
                          f"its square overflows {a.dtype} (the limit is {bound:.3g}), so the "
