@@ -141,7 +141,8 @@ def _dequantize(gguf, data, t, qtype, source):
     raw = data[t.start:t.start + t.nbytes]
     try:
         raw = raw.reshape(*t.shape[:-1], t.shape[-1] // block * size)
-        return gguf.quants.dequantize(raw, qtype).reshape(t.shape)
+        with np.errstate(over="ignore", invalid="ignore"):   # inf/NaN are refused next
+            return gguf.quants.dequantize(raw, qtype).reshape(t.shape)
     except Exception as exc:
         raise ModelFileError(f"{source}: tensor {t.name!r} is unreadable ({exc}); the file "
                              f"is corrupt") from None
