@@ -196,6 +196,7 @@ CONFIG_CASES = [
     ("hidden_size", True, "hidden_size must be an integer, got bool"),
     ("num_attention_heads", 0, "num_attention_heads must be an integer in 1.."),
     ("num_key_value_heads", 3, "num_attention_heads=4 must be a multiple of"),
+    ("num_key_value_heads", 0, "num_key_value_heads must be an integer in 1.."),
     ("head_dim", 7, "head_dim must be even"),
     ("vocab_size", 10 ** 12, "vocab_size must be an integer in 1.."),
     ("rope_scaling", [1, 2], "rope_scaling must be an object or null, got list"),

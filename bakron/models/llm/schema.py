@@ -233,7 +233,8 @@ def hf_values(cfg, where: str, unsupported) -> dict:
     values = {
         "arch": arch, "vocab_size": cfg["vocab_size"], "hidden_size": d,
         "intermediate_size": cfg["intermediate_size"], "num_layers": cfg["num_hidden_layers"],
-        "num_heads": heads, "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+        "num_heads": heads, "num_kv_heads": heads if cfg.get("num_key_value_heads") is None
+        else cfg["num_key_value_heads"],
         "head_dim": head_dim, "rope_theta": theta, "rms_eps": cfg.get("rms_norm_eps", 1e-6),
         "tie_embeddings": flag(cfg.get("tie_word_embeddings"), f"{where}: tie_word_embeddings"),
         "qk_norm": arch == "qwen3",
