@@ -358,7 +358,8 @@ def _check_grids(lm, names, grid, model):
         if not np.all(np.isfinite(W)):
             raise InputError(f"{model}: weight {name + '.weight'!r} holds NaN or Inf values")
         try:
-            _fit_grid(W, grid)
+            with np.errstate(over="ignore", invalid="ignore"):   # huge weights: the error says
+                _fit_grid(W, grid)
         except ValueError as exc:
             raise InputError(f"{model}: layer {name} ({W.shape[0]}x{W.shape[1]}, |W| up to "
                              f"{float(np.abs(W).max()):.3g}) cannot be put on the {fmt} grid: "
