@@ -28,10 +28,17 @@ KL to the original model, :func:`bakron.hessian.global_factors` with one refinem
 
 Resumable: every finished layer's codes are published write-once (temporary file, fsync,
 link; :func:`bakron.distributed._outputs.write_layer_file`) into the work folder
-``OUT.work/``. A killed run started again with the same arguments continues from the layers
-already written; different arguments are refused. The export is written atomically once every
-layer is done, then the work folder is removed. Every argument, the model and the format's
-ability to hold the grid are checked before any work is done.
+``OUT.work/``, keyed on the settings, the calibration tokens and a SHA-256 of the full weight
+bytes (the layer's own weight for ``rtn``, the whole model otherwise). A killed run started
+again with the same arguments continues from the layers already written, whatever spelling
+of the model's path it is given; layers made from weights that changed since are made again;
+a work folder of other settings is refused when it holds finished layers and replaced when it
+holds none. The export is written atomically once every layer is done, then the work folder
+is removed. Every argument, the model, its weights (finite, fitting the grid) and the format's
+ability to hold the grid are checked before ``OUT.work/`` is made; an error or an interrupt
+after that removes a work folder that holds no finished layer and keeps one that does, and
+adds a note saying which to the exception (docs/reliability.md, "Resume and the work
+folder").
 
 Scale-out (``scheduler=`` / ``gpus=`` / ``client=``, docs/export.md "Devices and scale-out"):
 the factors are collected here and each layer's solve runs as one Dask task
@@ -63,7 +70,7 @@ FACTORS = ("rtn", "input", "global", "input+global-out")
 _GGUF_BITS = {"gguf-q4_0": 4, "gguf-q4_1": 4, "gguf-q8_0": 8}
 _LAYER_FORMAT = "bakron-model-layer"
 _RUN_FILE = "run.json"
-_VERSION = 1
+_VERSION = 2   # 2: layers keyed on full hashes of the weights
 
 
 def work_folder(out) -> Path:
@@ -559,8 +566,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
 
     Raises :class:`~bakron.io.InputError` (bad argument, a format that cannot hold the grid
-    or the model's shapes, a source that cannot be converted to the format's kind, a work
-    folder of another run), :class:`~bakron.io.OutputExistsError`
+    or the model's shapes or weights, a source that cannot be converted to the format's kind,
+    a configuration naming fewer layers than the files hold, integer weights, ``calib_len``
+    beyond the model's context, calibration ids outside the vocabulary, a ``memory_budget``
+    too small, a work folder of another run that holds finished layers),
+    :class:`~bakron.io.OutputExistsError`
     (``out`` exists), ``ClusterUnavailable`` of ``bakron.distributed._model_jobs`` (Dask
     missing, the scheduler unreachable, fewer GPUs than ``gpus``; raised before the model is
     loaded), and the loader's errors (:func:`bakron.models.load_llm`).
