@@ -470,11 +470,13 @@ def _open_work(work: Path, run: dict, progress) -> "OutputLock":  # noqa: F821
         if not created:
             finished = _finished_layers(work)
             if finished:
-                differs = [k for k in ("model", "grid", "factors", "options", "calibration")
+                differs = [k for k in ("version", "model", "grid", "factors", "options",
+                                       "calibration")
                            if old is None or old.get(k) != run.get(k)] or ["calibration tokens"]
-                what = ", ".join(differs)
-                raise InputError(f"the work folder {work} belongs to another run ({what} "
-                                 f"differ) and holds {len(finished)} finished "
+                what = ("no readable run.json" if old is None
+                        else f"{', '.join(differs)} differ{'s' if len(differs) == 1 else ''}")
+                raise InputError(f"the work folder {work} belongs to another run ({what}) "
+                                 f"and holds {len(finished)} finished "
                                  f"layer(s); it is left as it was: remove it, or choose "
                                  f"another --out")
             _say(progress, f"note: replacing {work} (another run's, no finished layer)")
@@ -705,7 +707,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         if factors != "rtn":   # (read-only: the layers this run would still collect)
             _check_memory_budget(lm, xp, seqs, [n for n in names if n not in finished()],
                                  memory_budget, batch_size)
-        run = {"key": key, "model": str(model), "source": str(Path(src).resolve()),
+        run = {"key": key, "version": _VERSION, "model": str(model),
+               "source": str(Path(src).resolve()),
                "model_hash": model_hash, "grid": grid, "factors": factors, "options": options,
                "calibration": calib_note, "out": str(out)}
         lock = _open_work(work, run, progress)

@@ -321,3 +321,23 @@ def test_a_work_folder_of_another_run_with_finished_layers_is_kept(tiny, tmp_pat
     assert "left as it was" in err and str(work_folder(out)) in err, err
     assert {p.name: p.read_bytes() for p in (work_folder(out) / "layers").iterdir()} == before
     assert not out.exists()
+
+
+def test_a_work_folder_of_an_older_bakron_is_named_as_such(tiny, tmp_path, capsys):
+    out = tmp_path / "q.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(tiny["dir"] / "tiny.gguf", out, factors="rtn",
+                       _after_layer=_stop_after(1, []), **FAST)
+    run_file = work_folder(out) / "run.json"
+    old = json.loads(run_file.read_text())
+    run_file.write_text(json.dumps({k: v for k, v in old.items()   # as version 1 wrote it
+                                    if k not in ("version", "source", "model_hash")}
+                                   | {"key": "a key of version 1"}))
+    rc = _cli(tiny["dir"] / "tiny.gguf", out, "--factors", "rtn")
+    err = capsys.readouterr().err
+    assert rc == 2 and "another run (version differs)" in err and "1 finished layer" in err, err
+    run_file.write_text("{not json")
+    rc = _cli(tiny["dir"] / "tiny.gguf", out, "--factors", "rtn")
+    err = capsys.readouterr().err
+    assert rc == 2 and "another run (no readable run.json)" in err, err
+    assert len(_layers_in(out)) == 1 and not out.exists()
