@@ -153,6 +153,11 @@ def test_memory_budget_too_small_names_the_option(tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--memory-budget" in err and "budget_bytes" not in err, err
     _no_work(out)
+    with pytest.raises(InputError, match=r"memory_budget \(--memory-budget\) 1 bytes is too "
+                                         r"small: collecting layer"):
+        quantize_model(tiny["dir"] / "tiny.gguf", out, factors="global", memory_budget=1,
+                       **FAST)
+    _no_work(out)
 
 
 def test_memory_budget_nan_in_the_library(tiny, tmp_path):
@@ -173,6 +178,11 @@ def test_calib_len_longer_than_the_context(tiny, tmp_path, capsys):
     rc = _cli(tiny["dir"] / "tiny.gguf", out, "--factors", "input", "--calib-len", "65")
     err = capsys.readouterr().err
     assert rc == 2 and "--calib-len" in err and "context of 64" in err, err
+    _no_work(out)
+    with pytest.raises(InputError, match=r"calib_len \(--calib-len\) 65 is longer than the "
+                                         r"model's context of 64 tokens"):
+        quantize_model(tiny["dir"] / "tiny.gguf", out, factors="global", calib_seqs=4,
+                       calib_len=65, progress=False)
     _no_work(out)
     assert _cli(tiny["dir"] / "tiny.gguf", out, "--factors", "input", "--calib-len", "64") == 0
 
