@@ -495,6 +495,7 @@ def _cmd_quantize_model(args) -> int:
         raise Unavailable(f"quantize-model needs {exc.name!r}, which is not installed: "
                           f"pip install 'bakron[llm]'") from None
     from .models.llm import ChecksumError, ModelUnavailableError
+    from .models.llm.schema import ModelFileError
 
     t0 = time.perf_counter()
     try:
@@ -513,6 +514,8 @@ def _cmd_quantize_model(args) -> int:
         for note in getattr(exc, "__notes__", ()):   # what is left in OUT.work
             _err(f"bakron quantize-model: {note}")
         raise
+    except ModelFileError as exc:   # a malformed or inconsistent model file: exit 4 too
+        raise Unavailable(_with_notes(f"the model files are not usable: {exc}", exc)) from None
     except (ModelUnavailableError, ChecksumError) as exc:
         raise Unavailable(_with_notes(f"the model is not available: {exc}", exc)) from None
     except ImportError as exc:
