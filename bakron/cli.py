@@ -13,8 +13,8 @@ Exit codes (stable; scripts may rely on them):
      exists (it is never replaced); nothing was written
 4    a part that the command needs is not available (an optional dependency, a demo model,
      ``bakron.bench``, a GPU for ``--device gpu``, ``--engine cuda`` or ``--gpus``;
-     ``quantize-model``: a missing, corrupt or inconsistent model file or shard, a ``--scheduler`` that does not
-     answer); checked before any layer runs, nothing was written
+     ``quantize-model``: a missing, corrupt or inconsistent model file or shard, a
+     ``--scheduler`` that does not answer); checked before any layer runs, nothing was written
 5    the output could not be written (I/O error such as a full disk or a read-only file
      system); no partial output folder is left
 130  interrupted (Ctrl-C or SIGTERM); a ``quantize`` output folder is not left behind
