@@ -275,9 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in; "
                          "global: two-sided with both factors of the KL-Fisher; "
                          "input+global-out: local H_in with the global H_out (default global)")
-    qm.add_argument("--calib", default="builtin", metavar="FILE|builtin",
+    qm.add_argument("--calib", default="builtin", metavar="FILE|builtin|generated+docs",
                     help="calibration text: builtin (the Python Language Reference of the "
-                         "stdlib) or a UTF-8 file, one document per paragraph")
+                         "stdlib), generated+docs (half sampled from the model, half the "
+                         "Language Reference), generated, or a UTF-8 file, one document per "
+                         "paragraph")
     qm.add_argument("--calib-seqs", type=_positive_int, default=32, metavar="N",
                     help="calibration sequences (default 32)")
     qm.add_argument("--calib-len", type=_positive_int, default=128, metavar="T",

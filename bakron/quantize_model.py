@@ -133,7 +133,17 @@ def _decode(grid, codes) -> np.ndarray:
 
 # -- calibration ---------------------------------------------------------------------------------
 
+#: ``--calib`` values that sample part or all of the calibration text from the model itself
+#: (:func:`bakron.models.llm.calibration.calibration_ids`).
+GENERATED_CALIB = ("generated+docs", "generated")
+
+
 def _calibration_documents(calib) -> tuple[list[str], str]:
+    if calib in GENERATED_CALIB:
+        cal_all, _ = _builtin_split()
+        return cal_all, ("text sampled from the model (temperature 1, from BOS)"
+                         + (" and the Python Language Reference (pydoc_data), calibration "
+                            "topics, half each" if calib == "generated+docs" else ""))
     if calib == "builtin":
         cal_all, held = _builtin_split()
         return cal_all, (f"the Python Language Reference (pydoc_data), calibration topics "
@@ -291,9 +301,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
         of 128, symmetric. The GGUF formats fix their grid (giving another is an error).
-    calib : "builtin" or path
-        Calibration text: the stdlib's Python Language Reference, or a UTF-8 file with one
-        document per paragraph (blank-line separated).
+    calib : "builtin", "generated+docs", "generated" or path
+        Calibration text: the stdlib's Python Language Reference; text sampled from the model
+        itself (temperature 1, from BOS; cached, see
+        :mod:`bakron.models.llm.calibration`), alone or for half of the sequences with the
+        Language Reference for the other half; or a UTF-8 file with one document per
+        paragraph (blank-line separated).
     calib_seqs, calib_len
         Number and length (tokens) of the calibration sequences.
     memory_budget : int, optional
@@ -423,7 +436,14 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                                  f"({m}x{n}): {n} inputs are not a multiple of {g}")
         seqs = []
         if docs is not None:
-            seqs = calibration_sequences(lm, docs, calib_seqs, calib_len)
+            if calib in GENERATED_CALIB:
+                from .models.llm.calibration import calibration_ids
+
+                seqs = calibration_ids(lm, calib_seqs * calib_len, mix=calib,
+                                       seq_len=calib_len, seed=int(seed), docs=docs,
+                                       cache=cache, progress=progress)
+            else:
+                seqs = calibration_sequences(lm, docs, calib_seqs, calib_len)
             if not seqs:
                 raise InputError(f"the calibration text gives no sequence of at least 2 tokens "
                                  f"({calib_note})")

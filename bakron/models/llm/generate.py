@@ -207,21 +207,36 @@ def generate(lm, prompts, max_new_tokens: int, *, temperature: float = 1.0,
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     stops = _stop_set(lm, stop)
     seqs = [lm._check_sequence(p, f"prompt {i}") for i, p in enumerate(prompts)]
-    out: list = [None] * len(seqs)
-    out_logits: list = [None] * len(seqs)
     if n_new == 0:
         out = [[] for _ in seqs]
         return (out, [np.zeros((0, lm.config.vocab_size), np.float32) for _ in seqs]) \
             if return_logits else out
+    keys = [(int(seed), i) for i in range(len(seqs))]
+    out, out_logits = _generate_many(lm, seqs, n_new, keys, stops=stops, greedy=bool(greedy),
+                                     temperature=temperature, batch_size=batch_size,
+                                     keep_logits=return_logits)
+    return (out, out_logits) if return_logits else out
+
+
+def _generate_many(lm, seqs, n_new, rng_keys, *, stops, greedy, temperature, batch_size,
+                   keep_logits=False, progress=None):
+    """The checked prompts ``seqs``, sequence ``i`` drawing from
+    ``default_rng(rng_keys[i])``; ``progress(done, total)`` after each batch."""
+    out: list = [None] * len(seqs)
+    out_logits: list = [None] * len(seqs)
     batches, order = lm.pad(seqs, batch_size=batch_size)
+    done = 0
     for rows, ids in zip(order, batches):
         toks, lgs = _generate_batch(lm, [seqs[i] for i in rows], ids, n_new, stops,
-                                    [np.random.default_rng((int(seed), i)) for i in rows],
-                                    bool(greedy), temperature, return_logits)
+                                    [np.random.default_rng(rng_keys[i]) for i in rows],
+                                    greedy, temperature, keep_logits)
         for r, i in enumerate(rows):
             out[i] = toks[r]
-            out_logits[i] = lgs[r] if return_logits else None
-    return (out, out_logits) if return_logits else out
+            out_logits[i] = lgs[r] if keep_logits else None
+        done += len(rows)
+        if progress is not None:
+            progress(done, len(seqs))
+    return out, out_logits
 
 
 def _generate_batch(lm, seqs, ids, n_new, stops, rngs, greedy, temperature, keep_logits):
