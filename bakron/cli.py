@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--bits", type=_bits_list, default=(2, 3, 4), metavar="B[,B...]",
                    help="bit widths (default 2,3,4)")
     d.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    d.add_argument("--calib", choices=("docs", "generated+docs", "generated"), default="docs",
+                   help="smollm2 only: calibrate on the Language Reference sentences (docs), "
+                        "those plus as many tokens sampled from the model (generated+docs), "
+                        "or the sampled text alone (default docs)")
     d.add_argument("--quiet", action="store_true", help="no progress output")
     d.set_defaults(func=_cmd_demo)
 
@@ -443,8 +447,11 @@ def _cmd_demo(args) -> int:
         raise UsageError(f"--out {out} is a file; give a folder")
     t0 = time.perf_counter()
     try:
+        extra = {} if args.calib == "docs" else {"calib": args.calib}
+        if extra and args.model != "smollm2":
+            raise UsageError(f"--calib {args.calib} applies to --model smollm2 only")
         result = mod.run(args.out, device=args.device, bits=tuple(args.bits), quick=args.quick,
-                         progress=not args.quiet)
+                         progress=not args.quiet, **extra)
     except OSError as exc:
         if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ == "URLError":
             raise Unavailable(f"the {args.model!r} demo's model could not be fetched "

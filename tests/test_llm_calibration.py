@@ -158,3 +158,46 @@ def test_quantize_model_takes_the_generated_mix(tiny, tmp_path, monkeypatch):
                "--calib-len", "12", "--quiet"])
     assert rc == 0
     assert len(seen) == 2 and len(seen[1]) == 2 and len(_files(c)) == 2
+
+
+# -- the demo's option ----------------------------------------------------------------------------
+
+def test_demo_calibrates_on_the_mix(tmp_path):
+    from bakron.demo import llm as demo
+    from test_llm_demo import _tiny_lm
+
+    lm = _tiny_lm()
+    lm.config = type(lm.config)(**{**vars(lm.config), "bos_id": 1})   # a start token
+    c = tmp_path / "cache"
+    kw = dict(device="cpu", bits=(4,), methods=("ldlq",), n_calibration=6, n_heldout=4,
+              lee=False, progress=False, cache=c, seed=5)
+    docs = demo.run(tmp_path / "a", model=lm, **kw)
+    mixed = demo.run(tmp_path / "b", model=lm, calib="generated+docs", **kw)
+    n_sent = docs["data"]["calibration_tokens"]
+    gen = cal.generated_sequences(lm, -(-n_sent // 64), 64, seed=5, cache=c)
+    assert mixed["data"]["calibration_texts"] == docs["data"]["calibration_texts"] + len(gen)
+    assert mixed["data"]["calibration_tokens"] == n_sent + 64 * len(gen)
+    assert mixed["data"]["calibration_mix"] == "generated+docs"
+    assert "sampled from the model" in (tmp_path / "b" / "llm_report.md").read_text()
+    assert mixed["summary"][0]["kl"] != docs["summary"][0]["kl"]
+    only = demo.run(tmp_path / "c", model=lm, calib="generated", **kw)
+    assert only["data"]["calibration_tokens"] == 64 * len(gen)
+    with pytest.raises(ValueError, match="calib must be one of"):
+        demo.run(tmp_path / "d", model=lm, calib="news", **kw)
+
+
+def test_demo_cli_forwards_calib(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from bakron import cli
+
+    seen = {}
+    fake = types.ModuleType("bakron.demo.llm")
+    fake.run = lambda out_dir, **kw: seen.update(kw) or {"files": []}
+    monkeypatch.setitem(sys.modules, "bakron.demo.llm", fake)
+    assert cli.main(["demo", "--out", str(tmp_path / "d"), "--calib", "generated+docs",
+                     "--quiet"]) == 0
+    assert seen["calib"] == "generated+docs"
+    assert cli.main(["demo", "--model", "mlp", "--out", str(tmp_path / "e"), "--calib",
+                     "generated"]) == 2

@@ -207,7 +207,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         tile=None, damp: float = 0.01, refine_iters: int = 1, refine: str = "sequence",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
-        blas_threads: int | None = 1) -> dict:
+        blas_threads: int | None = 1, calib: str = "docs") -> dict:
     """Quantize a causal LM's linear layers and write a report (``bakron demo``).
 
     Parameters
@@ -236,6 +236,12 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         float32).
     n_calibration : int, optional
         Calibration sentences (default 64, about 1600 tokens).
+    calib : {"docs", "generated+docs", "generated"}
+        ``docs``: the Language Reference sentences alone; ``generated+docs``: those plus as
+        many tokens of text sampled from the model itself (temperature 1, from BOS, seed
+        ``seed``, sequences of 128 tokens, cached; see
+        :mod:`bakron.models.llm.calibration`); ``generated``: the sampled text alone, as many
+        tokens as the sentences would have had.
     n_heldout : int, optional
         Evaluation texts: Lee documents (default 16) or, without Lee, held-out sentences
         (default 48).
@@ -301,6 +307,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         raise ValueError(f"max_tokens must be >= 2 (a text needs a next token), got {max_tokens}")
     if accum_dtype not in ("float32", "float64"):
         raise ValueError(f"accum_dtype must be 'float32' or 'float64', got {accum_dtype!r}")
+    if calib not in CALIB_MIXES:
+        raise ValueError(f"calib must be one of {', '.join(CALIB_MIXES)}, got {calib!r}")
     if refine not in ("token", "sequence"):
         raise ValueError(f"refine must be 'token' or 'sequence', got {refine!r}")
     if not damp >= 0:
@@ -317,7 +325,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
                     damp=damp,
                     refine_iters=refine_iters, refine=refine, budget_bytes=budget_bytes,
                     batch_size=batch_size, cache=cache, wheel=wheel, seed=seed,
-                    accum_dtype=accum_dtype,
+                    accum_dtype=accum_dtype, calib=calib,
                     proxy_bits=_proxy_bits(proxies, bits)).go()
 
 
@@ -414,6 +422,13 @@ class _Run:
                                 f"Reference (topics never used for calibration)")
         max_tok = self.max_tokens or 64
         self.cal_seqs = [s for s in self.lm.tokenize(cal) if s]
+        self.calib_source = "sentences of the Python Language Reference (pydoc_data.topics)"
+        self.calib_gen_seconds = None
+        if self.calib != "docs" and self.cal_seqs:
+            t_gen = time.perf_counter()
+            self.cal_seqs, self.calib_source = _with_generated(
+                self.lm, self.cal_seqs, self.calib, self.seed, self.cache, self.progress)
+            self.calib_gen_seconds = time.perf_counter() - t_gen
         eval_seqs = [s[:max_tok] for s in self.lm.tokenize(held)]
         eval_seqs = [s for s in eval_seqs if len(s) >= 2]
         if not self.cal_seqs:
@@ -659,8 +674,9 @@ class _Run:
                          "blas_threads": self.blas if self.dev == "cpu" else None},
             "data": {"calibration_texts": self.n_cal_texts,
                      "calibration_tokens": int(sum(map(len, self.cal_seqs))),
-                     "calibration_source": "sentences of the Python Language Reference "
-                                           "(pydoc_data.topics)",
+                     "calibration_source": self.calib_source,
+                     "calibration_mix": self.calib,
+                     "calibration_generation_seconds": self.calib_gen_seconds,
                      "eval_texts": self.data.n_texts, "eval_tokens": self.data.tokens,
                      "eval_predicted_tokens": self.data.predicted,
                      "eval_max_tokens": self.max_tok, "eval_source": self.eval_source,
@@ -673,6 +689,28 @@ class _Run:
             "seconds": dict(c.wall), "cpu_seconds": dict(c.cpu), "peak_bytes": dict(c.peak),
             "memory_measure": c.memory.what,
         }
+
+
+#: The demo's calibration choices (``calib``).
+CALIB_MIXES = ("docs", "generated+docs", "generated")
+
+
+def _with_generated(lm, sentences, mix, seed, cache, progress):
+    """The calibration sequences and their description for ``mix`` ``generated+docs`` (the
+    sentences plus about as many tokens sampled from the model) or ``generated`` (the sampled
+    text alone, about as many tokens as the sentences)."""
+    from ..models.llm.calibration import generated_sequences
+
+    n_tok = sum(map(len, sentences))
+    L = min(128, int(lm.config.max_positions))
+    gen = generated_sequences(lm, max(1, -(-n_tok // L)), L, seed=seed, cache=cache,
+                              progress=progress)
+    what = (f"sequences of {L} tokens sampled from the model (temperature 1, from BOS, "
+            f"seed {seed})")
+    if mix == "generated":
+        return gen, what
+    return gen + list(sentences), (f"texts: {len(gen)} {what} and {len(sentences)} sentences "
+                                   f"of the Python Language Reference (pydoc_data.topics)")
 
 
 def _device_of(lm):
