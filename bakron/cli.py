@@ -305,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
                     help="where the model and the solves run (default cpu, gpu with --gpus; "
                          "auto uses a GPU when cupy sees one)")
+    qm.add_argument("--incoherence", type=int, default=None, metavar="SEED",
+                    help="rotate every layer on both sides (random signs and Hadamard "
+                         "transforms, this seed) before rounding; --format float only (GGUF "
+                         "and GPTQ files cannot carry the rotations)")
     qm.add_argument("--quiet", action="store_true", help="no progress output")
     where = qm.add_mutually_exclusive_group()
     where.add_argument("--scheduler", metavar="ADDRESS", default=None,
@@ -507,7 +511,9 @@ def _cmd_quantize_model(args) -> int:
                                 calib=args.calib, calib_seqs=args.calib_seqs,
                                 calib_len=args.calib_len, memory_budget=args.memory_budget,
                                 device=device, damp=args.damp, progress=not args.quiet,
-                                scheduler=args.scheduler, gpus=args.gpus)
+                                scheduler=args.scheduler, gpus=args.gpus,
+                                **({} if args.incoherence is None
+                                   else {"incoherence": args.incoherence}))
     except ClusterUnavailable as exc:
         raise Unavailable(str(exc)) from None
     except OutputExistsError as exc:

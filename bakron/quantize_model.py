@@ -284,7 +284,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                    seed: int = 0, batch_size: int = 8, cache=None, wheel=None,
                    progress: bool = True, keep_weights: bool = False,
                    scheduler: str | None = None, gpus: int | None = None, client=None,
-                   retries: int = 2, _after_layer=None) -> dict:
+                   retries: int = 2, _after_layer=None, incoherence: int | None = None) -> dict:
     """Quantize every linear layer of a causal LM and write the export ``out``.
 
     Parameters
@@ -338,6 +338,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         process does without them (the same bytes). ``retries``: re-runs of a task that
         raised (on another worker when there is one).
 
+    incoherence : int, optional
+        Incoherence processing (:mod:`bakron.incoherence`) with this seed: every layer is
+        rotated on both sides before rounding and rotated back. Only for ``fmt="float"``
+        (GGUF and GPTQ files store codes of ``W`` and cannot carry the rotations) and in
+        this process (not with ``scheduler`` / ``gpus`` / ``client``).
+
     Returns a dict: ``out``, ``layers`` (per layer: seconds, resumed), ``seconds`` (per
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
 
@@ -362,6 +368,15 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         memory_budget = _checked(check_int, memory_budget, "memory_budget", minimum=1,
                                  what="a positive number of bytes")
     seed = _checked(check_int, seed, "seed", minimum=0)
+    if incoherence is not None:
+        from .incoherence import refusal
+
+        incoherence = _checked(check_int, incoherence, "incoherence", minimum=0)
+        if refusal(fmt):
+            raise InputError(refusal(fmt))
+        if scheduler is not None or gpus or client is not None:
+            raise InputError("incoherence processing runs in this process only; leave out "
+                             "--scheduler / --gpus")
     retries = _checked(check_int, retries, "retries", minimum=0)
     if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__") or len(tile) != 2:
         raise InputError(f"tile must be a pair of positive integers (tx, ty), got {tile!r}")
@@ -455,6 +470,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
 
         options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
                    "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
+        if incoherence is not None:
+            options["incoherence"] = incoherence
         key = _run_key(lm, str(model), grid, factors, options, seqs)
         work = work_folder(out)
         run_file = work / _RUN_FILE
@@ -527,7 +544,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                 t = time.perf_counter()
                 values = _solve_and_publish(work, name, layer_key(name),
                                             lm.linear_weight(name), H_in, H_out, grid, tile,
-                                            damp)
+                                            damp, incoherence=incoherence)
                 published(name, time.perf_counter() - t, values)
 
             if solves is not None:
@@ -563,8 +580,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                 from .io import read_tensors
 
                 W = lm.linear_weight(name)
-                q = _fit_grid(W, grid)
+                rot = _rotation(W, incoherence)
+                q = _fit_grid(W if rot is None else rot.rotate_weight(W), grid)
                 W_hat = _decode(q, read_tensors(path)["codes"])
+                if rot is not None:   # the codes are those of U W Vᵀ: rotate back
+                    W_hat = rot.unrotate_weight(W_hat)
                 if keep_weights and name not in state["W_hat"]:
                     state["W_hat"][name] = W_hat
                 layers[name] = (W_hat, q)
@@ -588,12 +608,28 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             solves.close()
 
 
-def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp):
+def _rotation(W, incoherence):
+    """The :class:`~bakron.incoherence.Incoherence` of ``W``'s shape, or ``None``."""
+    if incoherence is None:
+        return None
+    from .incoherence import Incoherence
+
+    return Incoherence(*W.shape, seed=incoherence)
+
+
+def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp, incoherence=None):
     """Fit ``W``'s grid, round the layer onto it (round-to-nearest when ``H_in`` is None)
     and publish its codes write-once; returns ``W_hat``. The one body of a layer's solve,
     in this process and on a Dask worker (bakron.distributed._model_jobs), so both write
-    the same bytes."""
+    the same bytes. With ``incoherence`` (a seed) the layer is rotated on both sides first
+    (:mod:`bakron.incoherence`): the codes are those of ``U W Vᵀ`` and ``W_hat`` is rotated
+    back."""
     t = time.perf_counter()
+    rot = _rotation(W, incoherence)
+    if rot is not None:
+        W = rot.rotate_weight(W)
+        H_in = None if H_in is None else rot.rotate_in(H_in)
+        H_out = rot.rotate_out(H_out)
     q = _fit_grid(W, grid)
     if H_in is None:
         values, codes = q.rtn(W)
@@ -604,7 +640,7 @@ def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp):
                              metrics="none")
         values, codes = res.values, res.codes
     _publish(work, name, key, q, values, codes, seconds=time.perf_counter() - t)
-    return values
+    return values if rot is None else rot.unrotate_weight(values)
 
 
 def _publish(work, name, key, q, values, codes, *, seconds):

@@ -149,3 +149,62 @@ def test_formats_that_cannot_carry_rotations_are_refused(fmt):
     assert msg and fmt in msg and "cannot carry the rotations" in msg
     assert ("GGUF" in msg) == fmt.startswith("gguf")
     assert refusal("float") is None
+
+
+# -- bakron quantize-model --format float --incoherence ----------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    from test_llm_loaders import tiny_config, tiny_weights, write_gguf
+
+    d = tmp_path_factory.mktemp("model")
+    cfg = tiny_config(tied=False)
+    write_gguf(d / "tiny.gguf", cfg, tiny_weights(cfg, seed=3))
+    return d / "tiny.gguf"
+
+
+@pytest.mark.parametrize("factors", ["input", "global", "rtn"])
+def test_quantize_model_float_with_incoherence(tiny_gguf, tmp_path, factors):
+    """The float export holds ``Uᵀ Ŵ' V`` with ``Ŵ'`` the rotated layer's solve (the same
+    as quantize_layer with the same rotations and grid), and differs from the plain run."""
+    pytest.importorskip("tqdm")
+    from bakron.models import load_llm
+    from bakron.quantize_model import _fit_grid, _grid_settings, quantize_model
+
+    kw = dict(fmt="float", factors=factors, bits=3, calib_seqs=4, calib_len=16,
+              progress=False, keep_weights=True)
+    rot = quantize_model(tiny_gguf, tmp_path / "r", incoherence=5, **kw)
+    plain = quantize_model(tiny_gguf, tmp_path / "p", **kw)
+    lm = load_llm(tiny_gguf)
+    grid = _grid_settings("float", 3, None, None)
+    name = "blk.1.ffn_down"
+    W = np.asarray(lm.linear_weight(name))
+    inc = Incoherence(*W.shape, seed=5)
+    Wr = inc.rotate_weight(W)
+    q = _fit_grid(Wr, grid)
+    got = rot["weights"][name]
+    # the export rotated back: U got Vᵀ lies on the grid fitted to U W Vᵀ
+    back = inc.rotate_weight(got.astype(np.float64))
+    np.testing.assert_allclose(back, np.asarray(q.rtn(back)[0], dtype=np.float64), atol=2e-5)
+    assert np.abs(back - Wr).max() > 1e-3            # not W' itself: it was rounded
+    if factors == "rtn":
+        np.testing.assert_allclose(got, inc.unrotate_weight(q.rtn(Wr)[0]), atol=1e-6)
+    assert not np.allclose(got, plain["weights"][name])
+    out = load_llm(tmp_path / "r")        # the float export loads and holds W_hat
+    np.testing.assert_allclose(np.asarray(out.linear_weight(name)), got, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["gguf-q4_0", "gptq"])
+def test_quantize_model_refuses_incoherence_for_codes_formats(tiny_gguf, tmp_path, fmt):
+    from bakron.cli import main
+    from bakron.io import InputError
+    from bakron.quantize_model import quantize_model
+
+    with pytest.raises(InputError, match="cannot carry the rotations"):
+        quantize_model(tiny_gguf, tmp_path / "x", fmt=fmt, factors="input", incoherence=0,
+                       progress=False)
+    assert not (tmp_path / "x").exists()
+    assert main(["quantize-model", str(tiny_gguf), "--out", str(tmp_path / "y"), "--format",
+                 fmt, "--incoherence", "1", "--quiet"]) == 2
