@@ -130,3 +130,49 @@ def test_smollm2_greedy_matches_full_forward(smollm2):
     new, logits = smollm2.generate(prompts, 16, greedy=True, stop=(), return_logits=True)
     _check_against_full(smollm2, prompts, new, logits, rtol=1e-3, atol=2e-3)
     assert smollm2.decode(new[0][:2]) == " Paris."
+
+
+# -- the demo report's continuations ----------------------------------------------------------------
+
+def test_demo_report_shows_the_continuations(tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    from bakron.demo import llm as demo
+    from bakron.models import load_llm
+    from test_llm_loaders import write_gguf
+
+    cfg = tiny_config(max_positions=512)
+    write_gguf(tmp_path / "tiny.gguf", cfg, tiny_weights(cfg, seed=4))
+    lm = load_llm(tmp_path / "tiny.gguf")
+    kw = dict(device="cpu", bits=(2, 8), methods=("rtn", "ldlq"), n_calibration=6,
+              n_heldout=4, lee=False, progress=False)
+    res = demo.run(tmp_path / "a", model=lm, continuations=7, **kw)
+    c = res["continuations"]
+    assert c["prompts"] == list(demo.PROMPTS) and c["max_new_tokens"] == 7
+    # the original's continuations are the argmax of the full forward pass, step by step
+    for prompt, text in zip(demo.PROMPTS, c["original"]):
+        seq = lm.tokenize([prompt])[0]
+        for _ in range(7):
+            t = int(np.argmax(np.asarray(lm.logits(seq))[-1]))
+            seq.append(t)
+            if t == cfg.eos_id:
+                break
+        assert text == lm.decode(seq[len(lm.tokenize([prompt])[0]):])
+    md = (tmp_path / "a" / "llm_report.md").read_text()
+    assert "## What rounding did to the text" in md
+    assert md.count("| original | ") == 3
+    for e in res["summary"]:
+        assert len(e["continuations"]) == 3
+        for text in e["continuations"]:
+            assert demo._cell(text) in md
+        assert f"| {e['bits']} bits, {e['method']} |" in md
+    none = demo.run(tmp_path / "b", model=lm, continuations=0, **kw)
+    assert none["continuations"] is None
+    assert "What rounding did" not in (tmp_path / "b" / "llm_report.md").read_text()
+
+
+def test_report_cells_escape_markdown():
+    from bakron.demo import llm as demo
+
+    assert demo._cell("a|b\nc`d") == "a\\|b⏎ c\\`d"
+    assert demo._cell("") == "(nothing: the end-of-text token)"
