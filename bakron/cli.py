@@ -19,6 +19,11 @@ Exit codes (stable; scripts may rely on them):
      system); no partial output folder is left
 130  interrupted (Ctrl-C or SIGTERM); a ``quantize`` output folder is not left behind
 ===  =========================================================================================
+
+``quantize-model`` checks everything it can before it makes its work folder ``OUT.work``; an
+error found later (exit 2, 4 or 5) or an interrupt says what is left: a work folder that
+holds finished layers is kept on purpose (the same command continues from them), one that
+holds none is removed.
 """
 from __future__ import annotations
 
@@ -519,23 +524,32 @@ def _cmd_quantize_model(args) -> int:
     except OutputExistsError as exc:
         _err(f"bakron quantize-model: {exc}")
         return EXIT_OUT_EXISTS
-    except (KeyboardInterrupt, Terminated):
-        work = qm.work_folder(out)
-        if work.is_dir():
-            _err(f"bakron quantize-model: the finished layers are kept in {work}; the same "
-                 f"command continues from them")
+    except (KeyboardInterrupt, Terminated) as exc:
+        for note in getattr(exc, "__notes__", ()):   # what is left in OUT.work
+            _err(f"bakron quantize-model: {note}")
         raise
     except (ModelUnavailableError, ChecksumError) as exc:
-        raise Unavailable(f"the model is not available: {exc}") from None
+        raise Unavailable(_with_notes(f"the model is not available: {exc}", exc)) from None
     except ImportError as exc:
-        raise Unavailable(f"quantize-model needs a package that is not installed ({exc}); "
-                          f"pip install 'bakron[llm]'") from None
+        raise Unavailable(_with_notes(f"quantize-model needs a package that is not installed "
+                                      f"({exc}); pip install 'bakron[llm]'", exc)) from None
     except (InputError, ValueError) as exc:   # UnsupportedModelError is a ValueError
-        raise UsageError(str(exc)) from None
+        raise UsageError(_with_notes(str(exc), exc)) from None
+    except OSError as exc:   # a full disk, a read-only folder: exit 5, and what is left
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise WriteFailed(_with_notes(f"I/O error: {exc.strerror or exc}{where}", exc,
+                                      default="nothing was written")) from None
     if not args.quiet:
         print(f"bakron quantize-model: {len(res['layers'])} layers ({res['resumed']} resumed) "
               f"in {time.perf_counter() - t0:.1f} s; wrote {res['out']}")
     return EXIT_OK
+
+
+def _with_notes(msg: str, exc: BaseException, default: str | None = None) -> str:
+    """``msg`` and the notes :func:`bakron.quantize_model.quantize_model` adds to an error
+    raised after it made ``OUT.work`` (what is left on disk), or ``default``."""
+    notes = list(getattr(exc, "__notes__", ())) or ([default] if default else [])
+    return "; ".join([msg, *notes])
 
 
 # -- quantize ------------------------------------------------------------------------------

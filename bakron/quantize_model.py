@@ -28,10 +28,17 @@ KL to the original model, :func:`bakron.hessian.global_factors` with one refinem
 
 Resumable: every finished layer's codes are published write-once (temporary file, fsync,
 link; :func:`bakron.distributed._outputs.write_layer_file`) into the work folder
-``OUT.work/``. A killed run started again with the same arguments continues from the layers
-already written; different arguments are refused. The export is written atomically once every
-layer is done, then the work folder is removed. Every argument, the model and the format's
-ability to hold the grid are checked before any work is done.
+``OUT.work/``, keyed on the settings, the calibration tokens and a SHA-256 of the full weight
+bytes (the layer's own weight for ``rtn``, the whole model otherwise). A killed run started
+again with the same arguments continues from the layers already written, whatever spelling
+of the model's path it is given; layers made from weights that changed since are made again;
+a work folder of other settings is refused when it holds finished layers and replaced when it
+holds none. The export is written atomically once every layer is done, then the work folder
+is removed. Every argument, the model, its weights (finite, fitting the grid) and the format's
+ability to hold the grid are checked before ``OUT.work/`` is made; an error or an interrupt
+after that removes a work folder that holds no finished layer and keeps one that does, and
+adds a note saying which to the exception (docs/reliability.md, "Resume and the work
+folder").
 
 Scale-out (``scheduler=`` / ``gpus=`` / ``client=``, docs/export.md "Devices and scale-out"):
 the factors are collected here and each layer's solve runs as one Dask task
@@ -63,7 +70,7 @@ FACTORS = ("rtn", "input", "global", "input+global-out")
 _GGUF_BITS = {"gguf-q4_0": 4, "gguf-q4_1": 4, "gguf-q8_0": 8}
 _LAYER_FORMAT = "bakron-model-layer"
 _RUN_FILE = "run.json"
-_VERSION = 1
+_VERSION = 2   # 2: layers keyed on full hashes of the weights
 
 
 def work_folder(out) -> Path:
@@ -265,15 +272,247 @@ def _converted_source(src, work, to, progress) -> Path:
     return path
 
 
-def _run_key(lm, source, grid, factors, options, calib_seqs) -> str:
+def _config_key(grid, factors, options, calib_seqs) -> str:
+    """The run's configuration (grid, factors, solver options, calibration token ids) as a
+    hash: a work folder of another configuration is another run."""
     h = hashlib.sha256()
-    h.update(json.dumps({"version": _VERSION, "source": str(source), "grid": grid,
-                         "factors": factors, "options": options}, sort_keys=True).encode())
-    for name in lm.linear_names():  # a sample of the weights: another checkpoint, another key
-        h.update(np.ascontiguousarray(_xp.to_numpy(lm.linear_weight(name)))[::7, ::7]
-                 .tobytes())
+    h.update(json.dumps({"version": _VERSION, "grid": grid, "factors": factors,
+                         "options": options}, sort_keys=True).encode())
     h.update(json.dumps(calib_seqs).encode())
     return h.hexdigest()
+
+
+def _fingerprint(lm) -> tuple[str, dict]:
+    """``(model hash, {linear layer: hash of its weight})``: SHA-256 over the full bytes of
+    every weight as loaded (float32) and the configuration. A layer's result depends on its
+    own weight alone for ``rtn`` and on the whole model otherwise (its factors come from the
+    model's forward and backward passes), so each finished layer is keyed on the one or the
+    other: a resume never mixes the codes of another source."""
+    per = {}
+    for k in sorted(lm.weights):
+        a = np.ascontiguousarray(_xp.to_numpy(lm.weights[k]))
+        h = hashlib.sha256(f"{k}:{a.dtype.str}:{a.shape}:".encode())
+        h.update(memoryview(a).cast("B"))
+        per[k] = h.hexdigest()
+    whole = hashlib.sha256(json.dumps({"config": repr(lm.config), "weights": per},
+                                      sort_keys=True).encode()).hexdigest()
+    return whole, {n: per[n + ".weight"] for n in lm.linear_names()}
+
+
+# -- checks made before the work folder exists -------------------------------------------------
+
+def _check_context(lm, calib_len):
+    """``calib_len`` longer than the model's context is refused (the model was never run on
+    positions past it; :meth:`~bakron.models.llm.CausalLM.log_probs` refuses them too)."""
+    ctx = lm.config.max_positions
+    if calib_len > ctx:
+        raise InputError(f"calib_len (--calib-len) {calib_len} is longer than the model's "
+                         f"context of {ctx} tokens (max_position_embeddings / "
+                         f"context_length); give at most {ctx}")
+
+
+def _check_calibration_ids(lm, seqs, calib_note):
+    """Every calibration token id inside the model's vocabulary (a tokenizer that does not
+    match the embedding table is refused before any work)."""
+    V = lm.config.vocab_size
+    for i, s in enumerate(seqs):
+        bad = [t for t in s if not 0 <= t < V]
+        if bad:
+            raise InputError(f"the calibration text ({calib_note}) gives token id {bad[0]} "
+                             f"(sequence {i}), outside the model's vocabulary 0..{V - 1}: the "
+                             f"tokenizer and the embedding table (vocab_size) disagree")
+
+
+_INT_DTYPES = {"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", "BOOL"}
+
+
+def _source_tensors(kind, src) -> dict:
+    """``{tensor name (GGUF spelling): stored type}`` of the source's files, from their
+    headers (no tensor data is read)."""
+    if kind == "gguf":
+        from gguf import GGUFReader
+
+        return {t.name: t.tensor_type.name for t in GGUFReader(str(src), "r").tensors}
+    from . import _safetensors
+    from .models.llm.hf_folder import _shards, gguf_name
+
+    out, headers = {}, {}
+    for name, path in _shards(Path(src)).items():
+        if path not in headers:
+            headers[path] = _safetensors.read_header(path)[0]
+        info = headers[path].get(name)
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        out[gguf_name(name) or name] = dtype
+    return out
+
+
+def _check_source_tensors(kind, src, lm, model):
+    """The model's files hold no block beyond the configuration's layer count (its layers
+    would be dropped from the export, or refused by the writer only at the end) and no
+    integer weight (a weight must be floating point to be rounded onto a grid)."""
+    import re
+
+    n_layers = lm.config.num_layers
+    used = set(lm.weights)
+    for name, dtype in _source_tensors(kind, src).items():
+        m = re.match(r"blk\.(\d+)\.", name)
+        if m and int(m.group(1)) >= n_layers:
+            raise InputError(f"{src}: the files hold tensor {name!r} of block {m.group(1)}, but "
+                             f"the configuration names {n_layers} layer(s) (num_hidden_layers "
+                             f"/ block_count); fix the configuration")
+        if name in used and str(dtype).upper() in _INT_DTYPES:
+            raise InputError(f"{src}: weight {name!r} is stored as integers ({dtype}); "
+                             f"{model} must hold floating-point weights (F32, F16, BF16 or "
+                             f"a GGUF float/block type) to be quantized")
+
+
+def _check_grids(lm, names, grid, model):
+    """Every layer's weight is finite and its grid can be fitted (e.g. GPTQ's fp16 scales
+    hold its range), checked for all layers before any work; the error names the layer."""
+    fmt = grid["format"]
+    for name in names:
+        W = np.asarray(_xp.to_numpy(lm.linear_weight(name)))
+        if not np.all(np.isfinite(W)):
+            raise InputError(f"{model}: weight {name + '.weight'!r} holds NaN or Inf values")
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):   # huge weights: the error says
+                _fit_grid(W, grid)
+        except ValueError as exc:
+            raise InputError(f"{model}: layer {name} ({W.shape[0]}x{W.shape[1]}, |W| up to "
+                             f"{float(np.abs(W).max()):.3g}) cannot be put on the {fmt} grid: "
+                             f"{exc}") from None
+
+
+def _calibration_batches(lm, xp, seqs, batch_size):
+    from .hessian import pad_batches
+
+    return pad_batches(seqs, batch_size=batch_size, xp=xp,
+                       device=getattr(lm, "device", None))[0]
+
+
+def _check_memory_budget(lm, xp, seqs, todo, memory_budget, batch_size):
+    """``memory_budget`` holds a schedule of the Hessian passes over the layers ``todo``
+    (:func:`bakron.hessian.plan_global`, nothing is computed); the error names the option."""
+    if memory_budget is None or not todo:
+        return
+    from .hessian import plan_global
+    from .hessian.driver import _TooSmall
+
+    try:
+        plan_global(lm.stages(), _calibration_batches(lm, xp, seqs, batch_size),
+                    budget_bytes=memory_budget, layers=todo)
+    except _TooSmall as exc:
+        msg = (str(exc).replace(f"budget_bytes={memory_budget}",
+                                f"memory_budget (--memory-budget) {memory_budget} bytes")
+               .replace("budget_bytes=None", "no memory_budget (--memory-budget)"))
+        raise InputError(msg) from None
+
+
+# -- the work folder -----------------------------------------------------------------------------
+
+def _finished_layers(work: Path) -> list[str]:
+    """The layer files of ``work`` that verify (of this run or not)."""
+    from .distributed._outputs import verify_layer_file
+
+    layers = work / "layers"
+    if not layers.is_dir():
+        return []
+    return sorted(p.stem for p in layers.glob("*.safetensors")
+                  if verify_layer_file(str(p), None, fmt=_LAYER_FORMAT)[0])
+
+
+def _read_run(work: Path):
+    try:
+        old = json.loads((work / _RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return old if isinstance(old, dict) else None
+
+
+def _same_run(old, run) -> bool:
+    """The same configuration on the same model: the same resolved path (its content may have
+    changed: stale layers are recomputed) or the same content (another spelling, a copy)."""
+    return old.get("key") == run["key"] and (old.get("source") == run["source"]
+                                              or old.get("model_hash") == run["model_hash"])
+
+
+def _clear_work(work: Path, keep=(".bakron",)):
+    """Remove what a previous run left in ``work`` (its lock folder stays)."""
+    for p in work.iterdir():
+        if p.name in keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def _open_work(work: Path, run: dict, progress) -> "OutputLock":  # noqa: F821
+    """Make (or reuse) the work folder of this run and lock it; returns the lock.
+
+    A folder of the same run is resumed (when its source changed, the converted source is
+    dropped; the stale layers are recomputed). A folder of another run that holds no
+    finished layer is replaced; one that holds finished layers is refused (nothing is
+    changed)."""
+    from .distributed._outputs import LockHeld, OutputLock
+
+    created = not work.exists()
+    work.mkdir(exist_ok=True)
+    lock = OutputLock(str(work))
+    try:
+        lock.acquire()
+    except LockHeld as exc:
+        raise OutputExistsError(str(exc)) from None
+    try:
+        old = _read_run(work)
+        if old is not None and _same_run(old, run):
+            if old.get("model_hash") != run["model_hash"]:
+                _say(progress, f"note: {run['model']} changed since {work} was made: its "
+                               f"converted source and the layers made from other weights are "
+                               f"made again")
+                for p in (work / "source.gguf", work / "source-hf"):
+                    if p.is_dir():
+                        shutil.rmtree(p)
+                    elif p.exists():
+                        p.unlink()
+                atomic_write_json(work / _RUN_FILE, run)
+            return lock
+        if not created:
+            finished = _finished_layers(work)
+            if finished:
+                differs = [k for k in ("version", "model", "grid", "factors", "options",
+                                       "calibration")
+                           if old is None or old.get(k) != run.get(k)] or ["calibration tokens"]
+                what = ("no readable run.json" if old is None
+                        else f"{', '.join(differs)} differ{'s' if len(differs) == 1 else ''}")
+                raise InputError(f"the work folder {work} belongs to another run ({what}) "
+                                 f"and holds {len(finished)} finished "
+                                 f"layer(s); it is left as it was: remove it, or choose "
+                                 f"another --out")
+            _say(progress, f"note: replacing {work} (another run's, no finished layer)")
+            _clear_work(work)
+        atomic_write_json(work / _RUN_FILE, run)
+        return lock
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _left_on_disk(work: Path, exc: BaseException) -> None:
+    """After a failure or an interrupt: a work folder that holds no finished layer is removed;
+    one that holds finished layers is kept on purpose. The exception gets a note that says
+    which (the command line prints it)."""
+    try:
+        finished = _finished_layers(work)
+        if not finished:
+            shutil.rmtree(work, ignore_errors=True)
+            note = f"nothing is left on disk ({work} held no finished layer and was removed)"
+        else:
+            note = (f"the {len(finished)} finished layer(s) are kept in {work} on purpose: the "
+                    f"same command continues from them (remove the folder to start over)")
+    except OSError as err:   # the file system fails as a whole: say what is known
+        note = f"{work} may be left behind ({err.strerror or err})"
+    exc.add_note(note)
 
 
 def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global",
@@ -348,8 +587,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
 
     Raises :class:`~bakron.io.InputError` (bad argument, a format that cannot hold the grid
-    or the model's shapes, a source that cannot be converted to the format's kind, a work
-    folder of another run), :class:`~bakron.io.OutputExistsError`
+    or the model's shapes or weights, a source that cannot be converted to the format's kind,
+    a configuration naming fewer layers than the files hold, integer weights, ``calib_len``
+    beyond the model's context, calibration ids outside the vocabulary, a ``memory_budget``
+    too small, a work folder of another run that holds finished layers),
+    :class:`~bakron.io.OutputExistsError`
     (``out`` exists), ``ClusterUnavailable`` of ``bakron.distributed._model_jobs`` (Dask
     missing, the scheduler unreachable, fewer GPUs than ``gpus``; raised before the model is
     loaded), and the loader's errors (:func:`bakron.models.load_llm`).
@@ -449,8 +691,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             if n % g and fmt != "float":   # (a float export's grid may end in a shorter group)
                 raise InputError(f"{fmt} with groups of {g} inputs cannot represent layer {name} "
                                  f"({m}x{n}): {n} inputs are not a multiple of {g}")
+        # everything that can be checked is checked before OUT.work exists
+        _check_source_tensors(kind, src, lm, model)
+        _check_grids(lm, names, grid, model)
         seqs = []
         if docs is not None:
+            _check_context(lm, calib_len)
             if calib in GENERATED_CALIB:
                 from .models.llm.calibration import calibration_ids
 
@@ -462,63 +708,63 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             if not seqs:
                 raise InputError(f"the calibration text gives no sequence of at least 2 tokens "
                                  f"({calib_note})")
+            _check_calibration_ids(lm, seqs, calib_note)
             if len(seqs) < calib_seqs or len(seqs[-1]) < calib_len:
                 _say(progress, f"note: the calibration text gives {len(seqs)} sequence(s) "
                                f"({sum(map(len, seqs))} tokens), fewer than "
                                f"{calib_seqs} x {calib_len}")
         seconds["load"] = time.perf_counter() - t0
 
+        t0 = time.perf_counter()
+        model_hash, layer_hashes = _fingerprint(lm)
+        seconds["hash"] = time.perf_counter() - t0
         options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
                    "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
         if incoherence is not None:
             options["incoherence"] = incoherence
-        key = _run_key(lm, str(model), grid, factors, options, seqs)
+        key = _config_key(grid, factors, options, seqs)
+        content = layer_hashes if factors == "rtn" else dict.fromkeys(names, model_hash)
+
+        def layer_key(name):
+            return f"{key}:{content[name]}:{name}"
+
+        def layer_file(name):
+            return work / "layers" / f"{name}.safetensors"
+
+        def finished():
+            done = {}
+            for name in names:
+                ok, _reason, _sum, meta = verify_layer_file(str(layer_file(name)),
+                                                            layer_key(name), fmt=_LAYER_FORMAT)
+                if ok:
+                    done[name] = meta
+            return done
+
         work = work_folder(out)
-        run_file = work / _RUN_FILE
-        if work.exists():
-            try:
-                old = json.loads(run_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                old = None
-            if not isinstance(old, dict) or old.get("key") != key:
-                raise InputError(f"the work folder {work} belongs to another run (another model, "
-                                 f"calibration or settings); remove it or choose another --out")
-        else:
-            work.mkdir()
-            atomic_write_json(run_file, {"key": key, "model": str(model), "grid": grid,
-                                         "factors": factors, "options": options,
-                                         "calibration": calib_note, "out": str(out)})
-
-        from .distributed._outputs import LockHeld, OutputLock
-
-        lock = OutputLock(str(work))
+        if factors != "rtn":   # (read-only: the layers this run would still collect)
+            _check_memory_budget(lm, xp, seqs, [n for n in names if n not in finished()],
+                                 memory_budget, batch_size)
+        run = {"key": key, "version": _VERSION, "model": str(model),
+               "source": str(Path(src).resolve()),
+               "model_hash": model_hash, "grid": grid, "factors": factors, "options": options,
+               "calibration": calib_note, "out": str(out)}
+        lock = _open_work(work, run, progress)
         try:
-            lock.acquire()
-        except LockHeld as exc:
-            raise OutputExistsError(str(exc)) from None
-        try:
-            def layer_key(name):
-                return f"{key}:{name}"
-
-            def layer_file(name):
-                return work / "layers" / f"{name}.safetensors"
-
             export_src = src
             if convert is not None:
                 t0 = time.perf_counter()
                 export_src = _converted_source(src, work, convert, progress)
                 seconds["convert"] = time.perf_counter() - t0
-            done = {}
-            for name in names:
-                ok, _reason, _sum, meta = verify_layer_file(str(layer_file(name)), layer_key(name),
-                                                            fmt=_LAYER_FORMAT)
-                if ok:
-                    done[name] = meta
+            done = finished()
             todo = [n for n in names if n not in done]
             rows = {n: {"resumed": True, "seconds": float(done[n].get("seconds", 0.0))}
                     for n in done}
             if done:
                 _say(progress, f"resuming: {len(done)} of {len(names)} layers already in {work}")
+            stale = len(set(_finished_layers(work)) - set(done))
+            if stale:
+                _say(progress, f"note: {stale} finished layer(s) in {work} were made from other "
+                               f"weights or settings; they are made again")
             state = {"W_hat": {}}
 
             from tqdm.auto import tqdm
@@ -592,6 +838,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             _export(fmt, out, export_src, layers)
             seconds["export"] = time.perf_counter() - t0
             seconds["total"] = time.perf_counter() - t_start
+        except BaseException as exc:   # say (and leave) what the run made so far
+            _left_on_disk(work, exc)
+            raise
         finally:
             lock.release()
         shutil.rmtree(work, ignore_errors=True)
@@ -661,10 +910,9 @@ def _publish(work, name, key, q, values, codes, *, seconds):
 def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish):
     """Run the Hessian passes and hand each layer of ``todo`` to ``finish`` as it is final;
     returns the passes' report."""
-    from .hessian import global_factors, pad_batches
+    from .hessian import global_factors
 
-    batches, _ = pad_batches(seqs, batch_size=batch_size, xp=xp,
-                             device=getattr(lm, "device", None))
+    batches = _calibration_batches(lm, xp, seqs, batch_size)
     local: dict = {}
 
     def keep_local(name, H_in, H_out):

@@ -94,14 +94,16 @@ def test_a_failed_task_is_retried(models, tmp_path, client, local_exports, monke
                    retries=1, **FAST)
     assert out.read_bytes() == local_exports["input"][0].read_bytes()
     assert len(tries) == N_LAYERS and set(tries.values()) == {2}
-    # without retries the first failure stops the run, with the task's own error; the
-    # layers already published stay for the next run
+    # without retries the first failure stops the run, with the task's own error; no layer
+    # was published (every first attempt dies), so the work folder is removed and the error
+    # says so (layers already published would stay for the next run)
     tries.clear()
     out2 = tmp_path / "failed.gguf"
-    with pytest.raises(OSError, match="simulated worker failure"):
+    with pytest.raises(OSError, match="simulated worker failure") as info:
         quantize_model(models / "tiny.gguf", out2, fmt="gguf-q4_0", factors="input",
                        client=client, retries=0, **FAST)
-    assert not out2.exists() and work_folder(out2).is_dir()
+    assert not out2.exists() and not work_folder(out2).exists()
+    assert "nothing is left on disk" in " ".join(info.value.__notes__)
 
 
 def test_a_killed_dask_run_resumes(models, tmp_path, client, local_exports):

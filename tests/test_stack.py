@@ -443,3 +443,42 @@ def test_stack_checks_in_several_passes_name_the_bad_item(monkeypatch):
         bakron.solve(W, A_out, A_in, q, tile=4, engine="numba")
     W[6, 3, 3] = 0.0
     assert bakron.solve(W, A_out, A_in, q, tile=4, engine="numba").values.shape == (7, 16, 16)
+
+
+# -- big-endian arrays and a shared Factor (as the single-layer solve takes them) -----------------
+
+def test_big_endian_arrays_are_converted_like_the_single_solve():
+    W, A_out, A_in = _simple(B=3)
+    q = bakron.UniformQuantizer(3, 0.5)
+    want = bakron.solve(W, A_out, A_in, q, tile=4).values
+    be = [a.astype(a.dtype.newbyteorder(">")) for a in (W, A_out, A_in)]
+    copies = [a.copy() for a in be]
+    got = bakron.solve(*be, q, tile=4)
+    np.testing.assert_array_equal(got.values, want)
+    for a, c in zip(be, copies):   # the caller's arrays are untouched, still big-endian
+        assert a.dtype.byteorder == ">" and np.array_equal(a, c)
+    for i in range(3):   # and each item equals the single solve of its big-endian W
+        np.testing.assert_array_equal(
+            got.values[i], bakron.solve(be[0][i], be[1], be[2][i], q, tile=4).values)
+
+
+def test_a_factor_object_is_shared_by_every_item():
+    rng = np.random.default_rng(1)
+    W = rng.standard_normal((3, 12, 10))
+    H_in, H_out = spd(rng, 10), spd(rng, 12)
+    f_in, f_out = bakron.prepare_factor(H_in, 4), bakron.prepare_factor(H_out, 4)
+    q = bakron.UniformQuantizer(3, 0.5)
+    res = bakron.solve(W, f_out, f_in, q, tile=4)
+    want = bakron.solve(W, f_out.A, f_in.A, q, tile=4)
+    np.testing.assert_array_equal(res.values, want.values)
+    for i in range(3):
+        np.testing.assert_array_equal(res.values[i],
+                                      bakron.solve(W[i], f_out, f_in, q, tile=4).values)
+    # made for another tile: refused with the single solve's words, before any work
+    cq = CountingQuantizer()
+    with pytest.raises(ValueError, match=r"A_in was prepared with block size 4 but the tile "
+                                         r"needs 5; prepare it with prepare_factor\(H, 5\)"):
+        bakron.solve(W, None, f_in, cq, tile=5)
+    with pytest.raises(ValueError, match=r"A_in .*block size"):   # (the single solve's)
+        bakron.solve(W[0], None, f_in, cq, tile=5)
+    assert cq.calls == 0

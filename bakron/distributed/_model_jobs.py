@@ -11,6 +11,7 @@ see the same files either way.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
@@ -135,8 +136,11 @@ class DaskLayerSolves:
         present = [a for a in arrays if a is not None]
         scattered = iter(self.client.scatter(present, hash=False)) if present else iter(())
         args = [None if a is None else next(scattered) for a in arrays]
+        # the Dask key holds the whole layer key (settings and weights' hash): a resubmitted
+        # layer of changed weights is never taken for a task of the old ones
+        tag = hashlib.sha256(key.encode()).hexdigest()[:16]
         fut = self.client.submit(solve_task, work, name, key, *args, grid, tile, damp,
-                                 self.device, key=f"bakron-model-layer-{key[:16]}-{name}",
+                                 self.device, key=f"bakron-model-layer-{tag}-{name}",
                                  retries=self.retries, resources=self._resources, pure=False)
         self._futures[fut.key] = (fut, name)
         self._ac.add(fut)

@@ -1,7 +1,6 @@
 """Hugging Face model folders as the exports read them: config, tensors in their stored dtype."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -41,23 +40,26 @@ def read_folder(src: Path, *, quantized: bool = False):
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise InputError(f"{src}: no config.json")
+    from ..models.llm import schema   # the loaders' checks of config.json and the index
+
     try:
-        config = json.loads(cfg_path.read_text())
-    except ValueError as exc:
-        raise InputError(f"{cfg_path}: not valid JSON ({exc})") from None
+        config = schema.read_json(cfg_path, "config.json")
+        if not isinstance(config, dict):
+            raise schema.ModelFileError(f"{cfg_path} must hold a JSON object, got "
+                                        f"{schema.shown(config)}")
+        index = src / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(schema.weight_map(
+                schema.read_json(index, "a safetensors index"), index, src).values()))
+    except schema.ModelFileError as exc:
+        raise InputError(str(exc)) from None
     if "quantization_config" in config and not quantized:
         raise InputError(f"{src}: the model is already quantized "
                          f"({config['quantization_config'].get('quant_method', '?')})")
-    index = src / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as exc:
-            raise InputError(f"{index}: not a safetensors index ({exc})") from None
-        missing = [s for s in shards if not (src / s).is_file()]
+        missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise InputError(f"{src}: shard(s) {missing} named in {index.name} are missing")
-        files = [src / s for s in shards]
     else:
         files = sorted(src.glob("*.safetensors"))
     if not files:

@@ -16,6 +16,7 @@ state or one factor). Planning uses the largest batch; the ledger records the re
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -605,6 +606,8 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
                              f"counts as one), got {snapshots!r}")
         checkpoint = "binomial"
     if budget_bytes is not None and (isinstance(budget_bytes, bool)
+                                     or not isinstance(budget_bytes, numbers.Real)
+                                     or not math.isfinite(budget_bytes)
                                      or int(budget_bytes) != budget_bytes or budget_bytes <= 0):
         raise ValueError(f"budget_bytes must be a positive integer or None, got {budget_bytes!r}")
     if refine not in ("token", "sequence"):

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .. import _xp
-from .._validate import check_factor_shape, check_finite, check_tile
+from .._validate import check_factor_shape, check_finite, check_tile, factor_array, native
 from ._stack_items import ItemRunner, blas_threads, capability, cores, engine_check
 
 __all__ = ["solve_stack", "StackChunk", "stack_shape"]
@@ -283,10 +283,12 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     ----------
     W : array (..., m, n), float32 or float64
         The stack of weights (not modified).
-    A_out : array (..., m, m) or None
+    A_out : array (..., m, m), Factor or None
         ``L_O - I`` per item (``None``: one-sided for every item). Its leading shape
-        broadcasts against W's: ``(m, m)`` is one factor shared by the whole stack.
-    A_in : array (..., n, n)
+        broadcasts against W's: ``(m, m)``, or a :class:`bakron.Factor` from
+        :func:`bakron.prepare_factor` (its block must be the tile's), is one factor shared by
+        the whole stack.
+    A_in : array (..., n, n) or Factor
         ``L_I - I`` per item, broadcast like ``A_out``.
     quantizer : quantizer or sequence of quantizers
         One quantizer for every item, or one per item (a list or tuple of length
@@ -316,7 +318,11 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     from . import METHODS, SolveResult
 
     # ---- validation: nothing below runs any solve until all of it has passed -------------
+    # a bakron.Factor is one factor shared by every item (its array L - I and its block)
+    (A_out, rec_out), (A_in, rec_in) = factor_array(A_out), factor_array(A_in)
     xp = _namespace(W, A_out, A_in)
+    # big-endian numpy arrays: native copies, as the single-layer solve makes them
+    W, A_out, A_in = native(xp, W), native(xp, A_out), native(xp, A_in)
     _check_stack_array(W, "W", "(..., m, n)")
     _check_stack_array(A_in, "A_in", "(..., n, n)")
     if A_out is not None:
@@ -338,6 +344,10 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
             _check_factor_dtype(xp, A, name)
             _check_device(A, name, dev)
     tx, ty = check_tile(tile, m, n)
+    for name, rec, block, size in (("A_in", rec_in, ty, n), ("A_out", rec_out, tx, m)):
+        if rec is not None and rec != min(block, size):   # the single solve's rule and words
+            raise ValueError(f"{name} was prepared with block size {rec} but the tile needs "
+                             f"{block}; prepare it with prepare_factor(H, {block})")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if variant not in ("accumulator", "direct"):

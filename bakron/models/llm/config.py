@@ -6,10 +6,14 @@ config needs, so both loaders check a file against it before anything is compute
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
-__all__ = ["LlamaConfig", "UnsupportedModelError", "LINEAR_KINDS", "weight_shapes",
-           "linear_names"]
+from .schema import FIELDS, ModelFileError, check_values, hf_values
+
+__all__ = ["LlamaConfig", "UnsupportedModelError", "ModelFileError", "LINEAR_KINDS",
+           "weight_shapes", "linear_names", "check_shapes", "block_count"]
 
 #: The linear layers of one block, in forward order (attention, then the SwiGLU FFN).
 LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -60,24 +64,13 @@ class LlamaConfig:
         if self.arch not in ARCHITECTURES:
             raise UnsupportedModelError(f"architecture {self.arch!r} is not supported (only "
                                         f"{', '.join(ARCHITECTURES)})")
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "max_positions"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"LlamaConfig.{f} must be a positive integer, got {v!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"LlamaConfig: num_heads={self.num_heads} must be a multiple of "
-                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
-        if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if not self.rope_theta > 0 or not self.rms_eps > 0:
-            raise ValueError(f"LlamaConfig: rope_theta and rms_eps must be > 0, got "
-                             f"{self.rope_theta!r} and {self.rms_eps!r}")
+        check_values({f: getattr(self, f) for f in FIELDS}, lambda f: f"LlamaConfig.{f}",
+                     error=ValueError)
         if self.rope_freq_factors is not None and (
                 len(self.rope_freq_factors) != self.head_dim // 2
-                or not all(f > 0 for f in self.rope_freq_factors)):
+                or not all(math.isfinite(f) and f > 0 for f in self.rope_freq_factors)):
             raise ValueError(f"LlamaConfig.rope_freq_factors must hold head_dim/2 = "
-                             f"{self.head_dim // 2} positive numbers")
+                             f"{self.head_dim // 2} finite positive numbers")
         if self.rope_scaling is not None and self.rope_freq_factors is not None:
             raise ValueError("LlamaConfig: give rope_scaling or rope_freq_factors, not both")
         if self.qk_norm != (self.arch == "qwen3"):
@@ -93,70 +86,13 @@ class LlamaConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+    def from_hf(cls, cfg, source: str = "config.json") -> "LlamaConfig":
         """From a Hugging Face ``config.json`` of ``LlamaForCausalLM`` or
-        ``Qwen3ForCausalLM`` (``tie_word_embeddings`` defaults to false, as there)."""
-        archs = cfg.get("architectures") or []
-        kind = archs[0] if archs else cfg.get("model_type", "?")
-        if kind in ("LlamaForCausalLM", "llama"):
-            arch = "llama"
-        elif kind in ("Qwen3ForCausalLM", "qwen3"):
-            arch = "qwen3"
-        else:
-            raise UnsupportedModelError(
-                f"config.json describes {kind!r}; only LlamaForCausalLM and Qwen3ForCausalLM "
-                f"are supported")
-        # transformers >= 5 keeps theta and the scaling in "rope_parameters"; older configs
-        # have "rope_theta" and "rope_scaling" at the top level
-        params = cfg.get("rope_parameters") or None
-        if params is not None and not isinstance(params, dict):
-            raise UnsupportedModelError("config.json: rope_parameters is not one dict (per "
-                                        "layer-type RoPE is not implemented)")
-        rope_scaling = cfg.get("rope_scaling") or None
-        theta = cfg.get("rope_theta", 10000.0)
-        if params is not None:
-            theta = params.get("rope_theta", theta)
-            if params.get("rope_type", params.get("type")) not in (None, "default"):
-                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if kind in (None, "default"):
-                rope_scaling = None
-            elif kind != "llama3":
-                raise UnsupportedModelError(
-                    f"config.json asks for RoPE scaling {rope_scaling!r}; only plain RoPE and "
-                    f"Llama 3's 'llama3' scaling are implemented")
-            else:
-                rope_scaling = tuple(sorted((k, v) for k, v in rope_scaling.items()
-                                            if isinstance(v, (int, float, str))))
-        if cfg.get("use_sliding_window"):
-            raise UnsupportedModelError("config.json sets use_sliding_window=true; only full "
-                                        "causal attention is implemented")
-        for key in ("attention_bias", "mlp_bias"):
-            if cfg.get(key):
-                raise UnsupportedModelError(f"config.json sets {key}=true; biases are not "
-                                            f"implemented")
-        try:
-            d = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            eos = cfg.get("eos_token_id")
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
-            tie = cfg.get("tie_word_embeddings", False)
-            return cls(
-                arch=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=d,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or d // heads),
-                rope_theta=float(theta),
-                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                tie_embeddings=bool(tie), qk_norm=(arch == "qwen3"),
-                max_positions=int(cfg.get("max_position_embeddings", 2048)),
-                bos_id=None if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
-                eos_id=None if eos is None else int(eos), rope_scaling=rope_scaling)
-        except KeyError as exc:
-            raise ValueError(f"config.json has no {exc.args[0]!r}") from None
+        ``Qwen3ForCausalLM`` (``tie_word_embeddings`` defaults to false, as there).
+
+        Every key read is checked (:func:`~bakron.models.llm.schema.hf_values`):
+        :class:`~bakron.models.llm.schema.ModelFileError` names ``source`` and the key."""
+        return cls(**hf_values(cfg, source, UnsupportedModelError))
 
     def to_hf(self) -> dict:
         """The Hugging Face ``config.json`` of this model (``LlamaForCausalLM`` or
@@ -220,14 +156,43 @@ def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_weights(cfg: LlamaConfig, weights: dict, *, source: str) -> None:
-    """Raise ``ValueError`` naming the first missing or misshapen tensor."""
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def block_count(num_layers: int, names, source: str, key: str, *,
+                error=ModelFileError, allow_extra: bool = False) -> None:
+    """``error`` unless the tensor names (GGUF names) hold exactly the blocks
+    ``0 .. num_layers - 1`` (``allow_extra``: at least those): checked before anything is
+    sized by ``num_layers`` (``key`` names the count in the file)."""
+    blocks = {int(m.group(1)) for n in names if (m := _BLOCK.match(n))}
+    extra = sorted(b for b in blocks if b >= num_layers)
+    if extra and not allow_extra:
+        raise error(f"{source}: {key} is {num_layers} but the file holds tensors of block "
+                    f"{extra[-1]} ({len(extra)} block(s) beyond the count)")
+    if len(blocks) - len(extra) < num_layers:
+        missing = min(set(range(len(blocks) + 1)) - blocks)
+        raise error(f"{source}: {key} is {num_layers} but the file holds tensors of "
+                    f"{len(blocks)} block(s) (block {missing} is missing)")
+
+
+def check_shapes(cfg: LlamaConfig, shapes: dict, *, source: str, key: str = "num_layers",
+                 error=ModelFileError, allow_extra: bool = False) -> None:
+    """Raise ``error`` naming the first missing or misshapen tensor of ``shapes`` ({GGUF
+    name: shape}); the loaders call it on the files' tensor tables before reading any data
+    (``key``: how the file names the block count)."""
+    block_count(cfg.num_layers, shapes, source, key, error=error, allow_extra=allow_extra)
     want = weight_shapes(cfg)
-    missing = [k for k in want if k not in weights]
+    missing = [k for k in want if k not in shapes]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{source}: tensor {missing[0]!r} is missing{more}")
+        raise error(f"{source}: tensor {missing[0]!r} is missing{more}")
     for k, shape in want.items():
-        got = tuple(weights[k].shape)
+        got = tuple(int(d) for d in shapes[k])
         if got != shape:
-            raise ValueError(f"{source}: tensor {k!r} has shape {got}, the config needs {shape}")
+            raise error(f"{source}: tensor {k!r} has shape {got}, the config needs {shape}")
+
+
+def check_weights(cfg: LlamaConfig, weights: dict, *, source: str) -> None:
+    """Raise ``ValueError`` naming the first missing or misshapen tensor of ``weights``."""
+    check_shapes(cfg, {k: tuple(getattr(v, "shape", ())) for k, v in weights.items()},
+                 source=source, error=ValueError, allow_extra=True)

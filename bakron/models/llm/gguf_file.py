@@ -1,7 +1,11 @@
-"""Read a Llama-family model from a GGUF file (llama.cpp's format) with the ``gguf`` package.
+"""Read a Llama-family model from a GGUF file (llama.cpp's format).
 
-Every tensor is de-quantized to float (``gguf.quants.dequantize``: F32, F16, BF16, Q4_0, Q4_1,
-Q8_0, the K-quants, ...); the result is "the original model" every comparison refers to.
+The header is read and checked by :mod:`~bakron.models.llm.gguf_header` (counts, lengths,
+tensor sizes and data offsets), the metadata by :mod:`~bakron.models.llm.schema`, the tensor
+table against the configuration before any data is read. Every tensor is then de-quantized to
+float (``gguf.quants.dequantize``: F32, F16, BF16, Q4_0, Q4_1, Q8_0, the K-quants, ...) and
+checked to be finite in the same pass; the result is "the original model" every comparison
+refers to.
 
 llama.cpp stores the rows of ``attn_q`` and ``attn_k`` of ``llama`` models permuted for its
 interleaved rotary layout: within each head the rows come as pairs (i, i + head_dim/2). This
@@ -15,7 +19,9 @@ import pathlib
 import numpy as np
 
 from .._fetch import ModelUnavailableError
-from .config import LlamaConfig, UnsupportedModelError, check_weights
+from .config import LlamaConfig, UnsupportedModelError, check_shapes, weight_shapes
+from .gguf_header import read_header
+from .schema import FIELDS, ModelFileError, check_tensor_values, check_values, integer
 from .tokenizer import Tokenizer
 
 __all__ = ["read_gguf", "unpermute_rows", "permute_rows", "GGUFModel"]
@@ -48,84 +54,110 @@ def unpermute_rows(W, n_heads: int):
     return W.reshape(n_heads, hd // 2, 2, *W.shape[1:]).swapaxes(1, 2).reshape(W.shape)
 
 
-def _field_value(field):
-    """A metadata value as a Python object (works on every gguf release: reads the parts)."""
-    from gguf import GGUFValueType
-
-    types = list(field.types)
-    if not types:
-        return None
-    if types[0] == GGUFValueType.ARRAY:
-        if len(types) > 1 and types[1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    v = field.parts[field.data[0]]
-    if v.dtype == np.float32:   # the shortest decimal: 1e-5 stored as float32 reads 1e-05
-        return float(str(v.reshape(-1)[0]))
-    return v.tolist()[0]
-
-
 _BIG = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
         "tokenizer.ggml.scores")
+_INTEGER_TYPES = ("I8", "I16", "I32", "I64")
 
 
-def _config(meta: dict, names: set, n_tokens: int, source: str,
-            freq_factors=None) -> LlamaConfig:
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen3"):
-        raise UnsupportedModelError(f"{source}: architecture {arch!r} is not supported (only "
-                                    f"llama and qwen3)")
+def _config(meta: dict, shapes: dict, tokens, source: str, freq_factors=None) -> LlamaConfig:
+    arch = meta["general.architecture"]
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None) and not (scaling == "llama3" and freq_factors is not None):
         raise UnsupportedModelError(f"{source}: RoPE scaling {scaling!r} is not implemented "
                                     f"(only Llama 3's, stored as the rope_freqs tensor)")
 
-    def get(key, default=None):
-        full = f"{arch}.{key}"
-        if full in meta:
-            return meta[full]
+    def key(f):
+        k = FIELDS[f][1]
+        return k if k.startswith("tokenizer.") else f"{arch}.{k}"
+
+    def get(f, default=None):
+        if key(f) in meta:
+            return meta[key(f)]
         if default is None:
-            raise ModelUnavailableError(f"{source}: metadata key {full!r} is missing; the "
-                                        f"file is incomplete or corrupt")
+            raise ModelFileError(f"{source}: metadata key {key(f)!r} is missing; the file is "
+                                 f"incomplete or corrupt")
         return default
 
-    d = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
+    d = integer(get("hidden_size"), f"{source}: metadata {key('hidden_size')}")
+    heads = integer(get("num_heads"), f"{source}: metadata {key('num_heads')}")
+    if key("head_dim") not in meta and d % heads:
+        raise ModelFileError(f"{source}: metadata {key('num_heads')}={heads} must divide "
+                             f"{key('hidden_size')}={d} (there is no {key('head_dim')})")
+    if key("vocab_size") in meta:
+        vocab = meta[key("vocab_size")]
+    elif tokens is not None:
+        vocab = len(tokens)
+    else:   # no tokenizer (read with tokenizer=False): the embedding's rows
+        vocab = shapes.get("token_embd.weight", (0,))[0]
+    values = {
+        "vocab_size": vocab, "hidden_size": d, "intermediate_size": get("intermediate_size"),
+        "num_layers": get("num_layers"), "num_heads": heads,
+        "num_kv_heads": get("num_kv_heads", heads), "head_dim": get("head_dim", d // heads),
+        "rope_theta": get("rope_theta", 10000.0), "rms_eps": get("rms_eps"),
+        "max_positions": get("max_positions", 2048),
+        "bos_id": meta.get(key("bos_id")), "eos_id": meta.get(key("eos_id"))}
+    check_values(values, lambda f: f"{source}: metadata {key(f)}")
+    if freq_factors is not None and freq_factors.size != values["head_dim"] // 2:
+        raise ModelFileError(f"{source}: tensor 'rope_freqs.weight' holds {freq_factors.size} "
+                             f"values; head_dim {values['head_dim']} needs "
+                             f"{values['head_dim'] // 2}")
     return LlamaConfig(
-        arch=arch, vocab_size=int(get("vocab_size", n_tokens)), hidden_size=d,
-        intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
-        num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", d // heads)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-        tie_embeddings="output.weight" not in names, qk_norm=(arch == "qwen3"),
-        max_positions=int(get("context_length", 2048)),
+        arch=arch, tie_embeddings="output.weight" not in shapes, qk_norm=(arch == "qwen3"),
         rope_freq_factors=None if freq_factors is None else tuple(
             float(f) for f in np.asarray(freq_factors, dtype=np.float64).reshape(-1)),
-        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_id=meta.get("tokenizer.ggml.eos_token_id"))
+        **values)
 
 
-def _dequantize(dequantize, t, source):
-    try:
-        return dequantize(t.data, t.tensor_type)
-    except NotImplementedError:
+_DEQUANTIZABLE: dict = {}
+
+
+def _check_type(gguf, t, source):
+    """Refuse a tensor whose GGML type holds integers or that the gguf package cannot
+    de-quantize (a one-block probe, remembered per type)."""
+    qtype = gguf.GGMLQuantizationType(t.ggml_type)
+    if qtype.name in _INTEGER_TYPES:
+        raise ModelFileError(f"{source}: tensor {t.name!r} is stored as {qtype.name}; a "
+                             f"model's weights must be floating point (or a GGML "
+                             f"quantization type)")
+    if qtype not in _DEQUANTIZABLE:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
+            _DEQUANTIZABLE[qtype] = True
+        except NotImplementedError:
+            _DEQUANTIZABLE[qtype] = False
+        except Exception:   # other failures show up, named, when the data is read
+            _DEQUANTIZABLE[qtype] = True
+    if not _DEQUANTIZABLE[qtype]:
         raise UnsupportedModelError(
-            f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which the gguf "
-            f"package cannot de-quantize") from None
+            f"{source}: tensor {t.name!r} has type {qtype.name}, which the gguf package "
+            f"cannot de-quantize")
+    return qtype
+
+
+def _dequantize(gguf, data, t, qtype, source):
+    """The float32 values of tensor ``t`` from the file's bytes ``data``."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = data[t.start:t.start + t.nbytes]
+    try:
+        raw = raw.reshape(*t.shape[:-1], t.shape[-1] // block * size)
+        with np.errstate(over="ignore", invalid="ignore"):   # inf/NaN are refused next
+            return gguf.quants.dequantize(raw, qtype).reshape(t.shape)
     except Exception as exc:
-        raise ModelUnavailableError(f"{source}: tensor {t.name!r} is unreadable ({exc}); "
-                                    f"the file is corrupt or truncated") from None
+        raise ModelFileError(f"{source}: tensor {t.name!r} is unreadable ({exc}); the file "
+                             f"is corrupt") from None
 
 
 def read_gguf(path, *, dtype="float32", tokenizer: bool = True) -> GGUFModel:
     """Config, de-quantized weights (numpy, ``dtype``) and tokenizer of a GGUF file.
 
-    Raises :class:`~bakron.models._fetch.ModelUnavailableError` for a missing, truncated or
-    corrupt file and :class:`~bakron.models.llm.config.UnsupportedModelError` for an
-    architecture, tensor type or tokenizer it does not implement.
+    Raises :class:`~bakron.models._fetch.ModelUnavailableError` for a missing file,
+    :class:`~bakron.models.llm.schema.ModelFileError` (a ``ModelUnavailableError`` and a
+    ``ValueError``) for a truncated, corrupt or inconsistent one (bad offsets, counts that
+    disagree with the tensors, a tokenizer that does not match the embedding, NaN or
+    infinite weights: the message names the key or tensor), and
+    :class:`~bakron.models.llm.config.UnsupportedModelError` for an architecture, tensor
+    type or tokenizer it does not implement.
     """
     path = pathlib.Path(path)
     dtype = np.dtype(dtype)
@@ -134,46 +166,67 @@ def read_gguf(path, *, dtype="float32", tokenizer: bool = True) -> GGUFModel:
     if not path.is_file():
         raise ModelUnavailableError(f"GGUF file {path} does not exist")
     try:
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
+        import gguf
+        import gguf.quants  # noqa: F401
     except ImportError as exc:
         raise ImportError(f"reading GGUF files needs the gguf package ({exc}); install "
                           f"bakron[llm]") from None
     source = str(path)
-    try:
-        reader = GGUFReader(str(path), "r")
-    except Exception as exc:   # bad magic, truncated header/data, unknown value types
-        raise ModelUnavailableError(f"{source} is not a readable GGUF file ({type(exc).__name__}"
-                                    f": {exc}); it is corrupt or truncated") from None
-    meta, big = {}, {}
-    for key, field in reader.fields.items():
-        try:
-            (big if key in _BIG else meta)[key] = _field_value(field)
-        except Exception as exc:
-            raise ModelUnavailableError(f"{source}: metadata {key!r} is unreadable ({exc}); "
-                                        f"the file is corrupt") from None
-    names = {t.name for t in reader.tensors}
-    tokens = big.get("tokenizer.ggml.tokens") or []
+    header = read_header(path, source)
+    meta = {k: v for k, v in header.metadata.items() if k not in _BIG}
+    big = {k: v for k, v in header.metadata.items() if k in _BIG}
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen3"):
+        raise UnsupportedModelError(f"{source}: architecture {arch!r} is not supported (only "
+                                    f"llama and qwen3)")
+    tokens = big.get("tokenizer.ggml.tokens")
+    for k, v in big.items():
+        if not isinstance(v, list):
+            raise ModelFileError(f"{source}: metadata {k!r} must be an array, got "
+                                 f"{type(v).__name__}")
+    if tokenizer and (tokens is None or "tokenizer.ggml.merges" not in big):
+        missing = " and ".join(k for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+                               if k not in big)
+        raise ModelFileError(f"{source} has no tokenizer: the metadata lacks {missing} (llama.cpp "
+                             f"cannot use it either; read_gguf(..., tokenizer=False) reads the "
+                             f"weights alone)")
+    by_name = {t.name: t for t in header.tensors}
+    qtypes = {t.name: _check_type(gguf, t, source) for t in header.tensors}
+    shapes = {t.name: t.shape for t in header.tensors}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     factors = None
-    for t in reader.tensors:   # Llama 3's RoPE stretch: one divisor per rotary frequency
-        if t.name == "rope_freqs.weight":
-            factors = _dequantize(dequantize, t, source)
-    cfg = _config(meta, names, len(tokens), source, factors)
+    if "rope_freqs.weight" in by_name:   # Llama 3's RoPE stretch: one divisor per frequency
+        t = by_name["rope_freqs.weight"]
+        factors = _dequantize(gguf, data, t, qtypes[t.name], source).reshape(-1)
+        check_tensor_values(factors, t.name, source)
+        if not (factors > 0).all():
+            raise ModelFileError(f"{source}: tensor 'rope_freqs.weight' holds a divisor <= 0")
+    cfg = _config(meta, shapes, tokens, source, factors)
+    rows = shapes.get("token_embd.weight", (cfg.vocab_size,))[0]
+    if tokens is not None and len(tokens) != rows or rows != cfg.vocab_size:
+        raise ModelFileError(
+            f"{source}: the tokenizer has {len(tokens) if tokens is not None else 'no'} tokens "
+            f"(tokenizer.ggml.tokens), the embedding token_embd.weight {rows} rows"
+            f"{f' and {arch}.vocab_size is {cfg.vocab_size}' if arch + '.vocab_size' in meta else ''}"
+            f"; they must agree (llama.cpp refuses such a file too)")
+    check_shapes(cfg, shapes, source=source, key=f"metadata {arch}.block_count")
+    want = weight_shapes(cfg)
+    for name in by_name:
+        if name.startswith("blk.") and name not in want:
+            raise UnsupportedModelError(f"{source}: tensor {name!r} is not part of a {arch} "
+                                        f"block as bakron implements it (it would be ignored)")
     weights = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            continue
+    for name in want:
+        t = by_name[name]
         # np.array copies: F32 tensors come back as views of the memory map
-        W = np.array(_dequantize(dequantize, t, source), dtype=dtype)
-        if cfg.arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
-            W = unpermute_rows(W, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
-        weights[t.name] = np.ascontiguousarray(W)
-    check_weights(cfg, weights, source=source)
+        W = np.array(_dequantize(gguf, data, t, qtypes[name], source), dtype=dtype)
+        check_tensor_values(W, name, source)
+        if cfg.arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            W = unpermute_rows(W, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        weights[name] = np.ascontiguousarray(W)
+    del data
     tok = None
     if tokenizer:
-        if not tokens or "tokenizer.ggml.merges" not in big:
-            raise UnsupportedModelError(f"{source}: no BPE tokenizer in the metadata "
-                                        f"(tokenizer.ggml.tokens / merges)")
         tok = Tokenizer.from_gguf_fields(
             model=meta.get("tokenizer.ggml.model", "?"), pre=meta.get("tokenizer.ggml.pre"),
             tokens=tokens, merges=big["tokenizer.ggml.merges"],

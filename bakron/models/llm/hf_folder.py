@@ -5,10 +5,15 @@ The folder holds ``config.json``, the weights (``model.safetensors``, or shards 
 to the GGUF names the rest of bakron uses (``model.layers.3.self_attn.q_proj.weight`` →
 ``blk.3.attn_q.weight``; see :data:`HF_NAMES`) and converted to float32/float64. A Hugging Face
 checkpoint already has the rotary row order the forward pass expects (nothing to un-permute).
+
+Before any tensor data is read, ``config.json`` and the index are checked against the schema
+of :mod:`~bakron.models.llm.schema`, every shard's header is validated
+(:func:`bakron._safetensors.read_header`), the block count and every shape against the config
+and the tokenizer's ids against the vocabulary; each tensor is checked to be finite as it is
+read.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 
@@ -16,7 +21,8 @@ import numpy as np
 
 from ... import _safetensors
 from .._fetch import ModelUnavailableError
-from .config import LlamaConfig, UnsupportedModelError, check_weights, weight_shapes
+from .config import LlamaConfig, UnsupportedModelError, check_shapes, weight_shapes
+from .schema import ModelFileError, check_tensor_values, read_json, weight_map
 from .tokenizer import Tokenizer
 
 __all__ = ["read_hf_folder", "HF_NAMES", "gguf_name", "hf_name"]
@@ -62,17 +68,10 @@ def _shards(folder: pathlib.Path) -> dict[str, pathlib.Path]:
     index = folder / "model.safetensors.index.json"
     single = folder / "model.safetensors"
     if index.is_file():
-        try:
-            wmap = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ModelUnavailableError(f"{index} is not a valid safetensors index "
-                                        f"({type(exc).__name__}: {exc})") from None
-        out = {}
-        for name, f in wmap.items():
-            p = folder / f
-            if not p.is_file():
-                raise ModelUnavailableError(f"{index} lists shard {f!r}, which is missing")
-            out[name] = p
+        out = weight_map(read_json(index, "a safetensors index"), index, folder)
+        for f in sorted(set(out.values())):
+            if not f.is_file():
+                raise ModelUnavailableError(f"{index} lists shard {f.name!r}, which is missing")
         return out
     if single.is_file():
         header, _ = _read_header(single)
@@ -84,15 +83,26 @@ def _shards(folder: pathlib.Path) -> dict[str, pathlib.Path]:
 def _read_header(path):
     try:
         return _safetensors.read_header(path)
-    except (ValueError, OSError) as exc:
-        raise ModelUnavailableError(f"{path} is not a readable safetensors file ({exc})") \
-            from None
+    except OSError as exc:
+        raise ModelUnavailableError(f"{path} cannot be read ({exc})") from None
+    except ValueError as exc:
+        if "unsupported dtype" in str(exc):
+            raise UnsupportedModelError(str(exc)) from None
+        raise ModelFileError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def read_hf_folder(folder, *, dtype="float32", tokenizer: bool = True):
     """``(config, weights, tokenizer)`` of a Hugging Face folder; weights under GGUF names as
     numpy arrays of ``dtype``; ``tokenizer`` is ``None`` when the folder has no
-    ``tokenizer.json`` (or ``tokenizer=False``)."""
+    ``tokenizer.json`` (or ``tokenizer=False``).
+
+    Raises :class:`~bakron.models._fetch.ModelUnavailableError` for a missing file or shard,
+    :class:`~bakron.models.llm.schema.ModelFileError` (also a ``ValueError``) for an
+    invalid, inconsistent or non-finite one (naming the file and the key or tensor) and
+    :class:`~bakron.models.llm.config.UnsupportedModelError` for what is not implemented."""
     folder = pathlib.Path(folder)
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
@@ -101,41 +111,60 @@ def read_hf_folder(folder, *, dtype="float32", tokenizer: bool = True):
     if not cfg_path.is_file():
         raise ModelUnavailableError(f"{folder} has no config.json (not a Hugging Face model "
                                     f"folder)")
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ModelUnavailableError(f"{cfg_path} is not valid JSON ({exc})") from None
-    cfg = LlamaConfig.from_hf(raw)
+    cfg = LlamaConfig.from_hf(read_json(cfg_path, "config.json"), str(cfg_path))
     where = _shards(folder)
     for name in where:
         if name.endswith(".bias") and gguf_name(name[:-5] + ".weight"):
             raise UnsupportedModelError(f"{folder}: tensor {name!r} is a bias; linear biases "
                                         f"are not implemented")
+    # every shard's header once: the names, dtypes and shapes before any data
+    headers = {p: _read_header(p)[0] for p in sorted(set(where.values()))}
+    infos = {}
+    for name, path in where.items():
+        info = headers[path].get(name)
+        if name == "__metadata__" or info is None:
+            raise ModelFileError(f"{folder / 'model.safetensors.index.json'} lists tensor "
+                                 f"{name!r} in {path.name}, which does not hold it")
+        g = gguf_name(name)
+        if g is not None:
+            infos[g] = (name, path, info)
+    if cfg.tie_embeddings:
+        infos.pop("output.weight", None)
+    elif "output.weight" not in infos:
+        raise ModelFileError(f"{folder}: config.json sets tie_word_embeddings=false but there "
+                             f"is no lm_head.weight")
+    check_shapes(cfg, {g: tuple(info["shape"]) for g, (_n, _p, info) in infos.items()},
+                 source=str(folder), key="config.json num_hidden_layers")
     want = weight_shapes(cfg)
     by_file: dict[pathlib.Path, dict[str, str]] = {}
-    for name, path in where.items():
-        g = gguf_name(name)
-        if g is not None and g in want:
-            by_file.setdefault(path, {})[name] = g
-    weights = {}
-    for path, names in by_file.items():
-        try:
-            got = _safetensors.load(path, list(names))
-        except (ValueError, KeyError, OSError) as exc:
-            msg = str(exc)
-            kind = (UnsupportedModelError if "unsupported dtype" in msg
-                    else ModelUnavailableError)
-            raise kind(f"cannot read {path}: {msg}") from None
-        for name, arr in got.items():
-            weights[names[name]] = np.ascontiguousarray(arr, dtype=dtype)
-    if cfg.tie_embeddings:
-        weights.pop("output.weight", None)
-    elif "output.weight" not in weights:
-        raise ModelUnavailableError(f"{folder}: config.json sets tie_word_embeddings=false but "
-                                    f"there is no lm_head.weight")
-    check_weights(cfg, weights, source=str(folder))
+    for g in want:
+        name, path, info = infos[g]
+        if info["dtype"] not in _FLOAT_DTYPES:
+            raise ModelFileError(f"{path}: tensor {name!r} is stored as {info['dtype']}; a "
+                                 f"model's weights must be floating point "
+                                 f"({', '.join(_FLOAT_DTYPES)})")
+        by_file.setdefault(path, {})[name] = g
     tok = None
     if tokenizer and (folder / "tokenizer.json").is_file():
         tok = Tokenizer.from_file(folder / "tokenizer.json", bos_id=cfg.bos_id,
                                   eos_id=cfg.eos_id)
+        top = tok.max_id()
+        if top >= cfg.vocab_size:
+            raise ModelFileError(
+                f"{folder}: tokenizer.json holds token id {top} but config.json's vocab_size "
+                f"(the embedding's rows) is {cfg.vocab_size}; llama.cpp refuses such a model "
+                f"too")
+    weights = {}
+    for path, names in by_file.items():
+        try:
+            got = _safetensors.load(path, list(names))
+        except OSError as exc:
+            raise ModelUnavailableError(f"cannot read {path}: {exc}") from None
+        except (ValueError, KeyError) as exc:
+            raise ModelFileError(f"cannot read {path}: {exc}") from None
+        for name, arr in got.items():
+            with np.errstate(over="ignore"):   # F64 beyond float32's range: inf, refused next
+                W = np.ascontiguousarray(arr, dtype=dtype)
+            check_tensor_values(W, name, str(path))
+            weights[names[name]] = W
     return cfg, weights, tok

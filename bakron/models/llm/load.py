@@ -5,6 +5,7 @@ import pathlib
 
 from .._fetch import ModelUnavailableError
 from .fetch import MODELS, model_file
+from .schema import shown
 from .model import CausalLM
 
 __all__ = ["load_llm"]
@@ -34,8 +35,13 @@ def load_llm(source, *, xp=None, device=None, dtype="float32", cache=None, wheel
     chunk_bytes : int
         The LM head's logits buffer in the Hessian passes.
 
-    Raises :class:`~bakron.models._fetch.ModelUnavailableError` for a missing or corrupt model
-    (or a failed download), :class:`~bakron.models._fetch.ChecksumError` for a checksum
+    Raises :class:`~bakron.models._fetch.ModelUnavailableError` for a missing model, a path
+    that cannot be used (too long, a NUL byte) or a failed download;
+    :class:`~bakron.models.llm.schema.ModelFileError` (a ``ModelUnavailableError`` and a
+    ``ValueError``) for a corrupt, invalid or inconsistent model file, naming the file and
+    the key or tensor (see :mod:`bakron.models.llm.schema`: every value read is checked, every
+    count against the tensors present, every weight for NaN and infinity, the tokenizer
+    against the embedding); :class:`~bakron.models._fetch.ChecksumError` for a checksum
     mismatch and :class:`~bakron.models.llm.config.UnsupportedModelError` (a ``ValueError``)
     for an architecture, tensor type or tokenizer that is not implemented.
     """
@@ -46,14 +52,20 @@ def load_llm(source, *, xp=None, device=None, dtype="float32", cache=None, wheel
         return _from_gguf(path, xp, device, dtype, chunk_bytes)
     if not isinstance(source, (str, pathlib.PurePath)):
         raise TypeError(f"source must be a model name or a path, got {type(source).__name__}")
-    path = pathlib.Path(source).expanduser()
-    if path.is_dir():
+    try:
+        path = pathlib.Path(source).expanduser()
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except (OSError, ValueError) as exc:   # a name too long, a NUL byte, no permission
+        raise ModelUnavailableError(
+            f"model path {shown(str(source), 80).split(' ', 1)[1]} cannot be used: "
+            f"{getattr(exc, 'strerror', None) or exc}") from None
+    if is_dir:
         from .hf_folder import read_hf_folder
 
         cfg, weights, tok = read_hf_folder(path, dtype=dtype)
         return CausalLM(cfg, weights, tok, xp=xp, device=device, dtype=dtype,
                         chunk_bytes=chunk_bytes, source=str(path))
-    if path.is_file():
+    if is_file:
         return _from_gguf(path, xp, device, dtype, chunk_bytes)
     raise ModelUnavailableError(
         f"model {str(source)!r} not found: it is neither a known name "

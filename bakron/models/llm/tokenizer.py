@@ -11,7 +11,10 @@ from __future__ import annotations
 import pathlib
 from typing import Sequence
 
+import numpy as np
+
 from .config import UnsupportedModelError
+from .schema import ModelFileError, shown
 
 __all__ = ["Tokenizer", "PRE_TOKENIZERS"]
 
@@ -105,9 +108,25 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def max_id(self) -> int:
+        """The largest token id of the vocabulary and the added tokens (-1 when empty)."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+
+    @staticmethod
+    def _check_text(text: str, what: str) -> None:
+        """``ValueError`` naming ``what`` and the position of a lone surrogate (a str that is
+        not Unicode text: it cannot be encoded as UTF-8)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{what} holds the lone surrogate {text[exc.start]!r} at position "
+                             f"{exc.start}, which is not Unicode text (decode the bytes it "
+                             f"came from with errors='replace' or 'surrogatepass')") from None
+
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"text must be a string, got {type(text).__name__}")
+        self._check_text(text, "text")
         return list(self.backend.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -117,11 +136,25 @@ class Tokenizer:
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise TypeError(f"texts[{i}] must be a string, got {type(t).__name__}")
+            self._check_text(t, f"texts[{i}]")
         return [list(e.ids) for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([int(i) for i in ids],
-                                   skip_special_tokens=skip_special_tokens)
+        """The text of token ids ``ids``; ``ValueError`` naming the first id that is not an
+        integer in ``0 .. max_id()``."""
+        if isinstance(ids, str):
+            raise TypeError("ids must be token ids, not a string")
+        ids = list(ids)
+        top = self.max_id() if ids else -1
+        out = []
+        for i, t in enumerate(ids):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"ids[{i}] is {type(t).__name__} {t!r}, not a token id "
+                                 f"(an integer)")
+            if not 0 <= t <= top:
+                raise ValueError(f"ids[{i}] = {int(t)} is outside the vocabulary 0..{top}")
+            out.append(int(t))
+        return self.backend.decode(out, skip_special_tokens=skip_special_tokens)
 
     @classmethod
     def from_gguf_fields(cls, *, model: str, pre: str | None, tokens: Sequence[str],
@@ -135,20 +168,35 @@ class Tokenizer:
             raise UnsupportedModelError(f"{source}: tokenizer model {model!r} is not supported "
                                         f"(only byte-level BPE, tokenizer.ggml.model = gpt2)")
         pre = pre or "default"
-        if pre not in PRE_TOKENIZERS:
+        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
             raise UnsupportedModelError(
                 f"{source}: pre-tokenizer {pre!r} is not supported (known: "
                 f"{', '.join(sorted(PRE_TOKENIZERS))})")
+        for key, values, kind in (("tokens", tokens, str), ("merges", merges, str),
+                                  ("token_type", token_types or [], int)):
+            bad = next((i for i, v in enumerate(values)
+                        if not isinstance(v, kind) or isinstance(v, bool)), None)
+            if bad is not None:
+                raise ModelFileError(f"{source}: tokenizer.ggml.{key}[{bad}] is "
+                                     f"{shown(values[bad])}, not a {kind.__name__}")
+        if token_types is not None and len(token_types) != len(tokens):
+            raise ModelFileError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} "
+                                 f"entries for {len(tokens)} tokens")
         vocab = {t: i for i, t in enumerate(tokens)}
         if len(vocab) != len(tokens):
-            raise ValueError(f"{source}: tokenizer.ggml.tokens has duplicate entries")
+            raise ModelFileError(f"{source}: tokenizer.ggml.tokens has duplicate entries")
         pairs = []
         for m in merges:
             a, sep, b = m.partition(" ")
             if not sep or not a or not b:
-                raise ValueError(f"{source}: malformed merge {m!r} in tokenizer.ggml.merges")
+                raise ModelFileError(f"{source}: malformed merge {m!r} in "
+                                     f"tokenizer.ggml.merges")
             pairs.append((a, b))
-        backend = _Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+        try:
+            backend = _Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+        except Exception as exc:   # the Rust error type is not exported
+            raise ModelFileError(f"{source}: the tokenizer in the metadata is invalid "
+                                 f"({exc})") from None
         backend.pre_tokenizer = _pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         if token_types is not None:
