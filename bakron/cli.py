@@ -208,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--bits", type=_bits_list, default=(2, 3, 4), metavar="B[,B...]",
                    help="bit widths (default 2,3,4)")
     d.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    d.add_argument("--calib", choices=("docs", "generated+docs", "generated"), default="docs",
+                   help="smollm2 only: calibrate on the Language Reference sentences (docs), "
+                        "those plus as many tokens sampled from the model (generated+docs), "
+                        "or the sampled text alone (default docs)")
     d.add_argument("--quiet", action="store_true", help="no progress output")
     d.set_defaults(func=_cmd_demo)
 
@@ -280,9 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in; "
                          "global: two-sided with both factors of the KL-Fisher; "
                          "input+global-out: local H_in with the global H_out (default global)")
-    qm.add_argument("--calib", default="builtin", metavar="FILE|builtin",
+    qm.add_argument("--calib", default="builtin", metavar="FILE|builtin|generated+docs",
                     help="calibration text: builtin (the Python Language Reference of the "
-                         "stdlib) or a UTF-8 file, one document per paragraph")
+                         "stdlib), generated+docs (half sampled from the model, half the "
+                         "Language Reference), generated, or a UTF-8 file, one document per "
+                         "paragraph")
     qm.add_argument("--calib-seqs", type=_positive_int, default=32, metavar="N",
                     help="calibration sequences (default 32)")
     qm.add_argument("--calib-len", type=_positive_int, default=128, metavar="T",
@@ -304,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
                     help="where the model and the solves run (default cpu, gpu with --gpus; "
                          "auto uses a GPU when cupy sees one)")
+    qm.add_argument("--incoherence", type=int, default=None, metavar="SEED",
+                    help="rotate every layer on both sides (random signs and Hadamard "
+                         "transforms, this seed) before rounding; --format float only (GGUF "
+                         "and GPTQ files cannot carry the rotations)")
     qm.add_argument("--quiet", action="store_true", help="no progress output")
     where = qm.add_mutually_exclusive_group()
     where.add_argument("--scheduler", metavar="ADDRESS", default=None,
@@ -446,8 +456,11 @@ def _cmd_demo(args) -> int:
         raise UsageError(f"--out {out} is a file; give a folder")
     t0 = time.perf_counter()
     try:
+        extra = {} if args.calib == "docs" else {"calib": args.calib}
+        if extra and args.model != "smollm2":
+            raise UsageError(f"--calib {args.calib} applies to --model smollm2 only")
         result = mod.run(args.out, device=args.device, bits=tuple(args.bits), quick=args.quick,
-                         progress=not args.quiet)
+                         progress=not args.quiet, **extra)
     except OSError as exc:
         if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ == "URLError":
             raise Unavailable(f"the {args.model!r} demo's model could not be fetched "
@@ -504,7 +517,9 @@ def _cmd_quantize_model(args) -> int:
                                 calib=args.calib, calib_seqs=args.calib_seqs,
                                 calib_len=args.calib_len, memory_budget=args.memory_budget,
                                 device=device, damp=args.damp, progress=not args.quiet,
-                                scheduler=args.scheduler, gpus=args.gpus)
+                                scheduler=args.scheduler, gpus=args.gpus,
+                                **({} if args.incoherence is None
+                                   else {"incoherence": args.incoherence}))
     except ClusterUnavailable as exc:
         raise Unavailable(str(exc)) from None
     except OutputExistsError as exc:

@@ -64,6 +64,11 @@ class LayerResult:
     for round-to-nearest. ``damp_in``/``damp_out`` are the damping actually used.
     ``input_dtype`` is W's dtype as given (``values`` are in the working dtype: float32 for a
     half-precision W). Figures that ``metrics`` did not ask for are ``None``.
+
+    With incoherence processing (``quantize_layer(..., incoherence=seed)``) ``rotation`` is
+    the :class:`~bakron.incoherence.Incoherence` used: ``codes`` and ``quantizer`` are those
+    of the rotated weights ``W' = U W Vᵀ`` and ``values`` / ``rtn_values`` are rotated back,
+    ``Uᵀ Ŵ' V`` (not on the grid); the proxy errors are the same in both bases.
     """
 
     values: Any
@@ -82,6 +87,7 @@ class LayerResult:
     seconds_metrics: float = 0.0
     input_dtype: str = ""
     metrics: str = "full"
+    rotation: Any = None
 
     @property
     def damp_in(self) -> float:
@@ -124,7 +130,7 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
                    tile=(16, 16), method: str = "auto", engine: str = "auto",
                    damp: float = 0.01, symmetric: bool = True, granularity: str = "row",
                    group_size: int | None = None, scale_method: str = "rms",
-                   metrics: str = "full", progress=None) -> LayerResult:
+                   metrics: str = "full", progress=None, incoherence=None) -> LayerResult:
     """Quantize one linear layer from its Hessian factors.
 
     Parameters
@@ -153,6 +159,13 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
         ``rtn_proxy_error``); ``none`` no RTN and no proxy errors (the fastest).
     progress : callable, optional
         Called with a short message before each phase (factor preparation, solve, metrics).
+    incoherence : int or Incoherence, optional
+        Incoherence processing (:mod:`bakron.incoherence`): with a seed (or an
+        :class:`~bakron.incoherence.Incoherence` of W's shape) the layer is rotated on both
+        sides, ``W' = U W Vᵀ``, ``H_in' = V H_in Vᵀ``, ``H_out' = U H_out Uᵀ``, rounded there
+        (the grid is fitted to ``W'``; a given ``quantizer`` must be one for ``W'``), and the
+        result rotated back: ``values = Uᵀ Ŵ' V``, which is not on the grid, so only a float
+        export (or a runtime that applies the rotations) can use it. ``None`` (default): off.
 
     Returns
     -------
@@ -160,6 +173,12 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     """
     if metrics not in METRICS:
         raise ValueError(f"metrics must be one of {METRICS}, got {metrics!r}")
+    if incoherence is not None:
+        return _incoherent(W, H_in, H_out, incoherence, quantizer=quantizer, bits=bits,
+                           tile=tile, method=method, engine=engine, damp=damp,
+                           symmetric=symmetric, granularity=granularity,
+                           group_size=group_size, scale_method=scale_method,
+                           metrics=metrics, progress=progress)
     say = progress if callable(progress) else (lambda msg: None)
     prep = _prepare(W, H_in, H_out, quantizer=quantizer, bits=bits, tile=tile, damp=damp,
                     symmetric=symmetric, granularity=granularity, group_size=group_size,
@@ -169,6 +188,39 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     res = solve(prep.W, feedback(prep.f_out), prep.f_in.A, prep.quantizer, tile=prep.tile,
                 method=method, engine=engine)
     return _layer_result(prep, res, metrics=metrics, say=say)
+
+
+def _incoherent(W, H_in, H_out, incoherence, **kw) -> LayerResult:
+    """:func:`quantize_layer` of the rotated layer, its values rotated back."""
+    from .incoherence import Incoherence
+
+    xp = _xp.namespace(W, H_in, H_out)
+    W, H_in, H_out = native(xp, W), native(xp, H_in), native(xp, H_out)
+    check_matrix(xp, W, "W")
+    W, input_dtype = _working_dtype(xp, W)
+    check_finite(xp, W, "W")
+    m, n = W.shape
+    check_matrix(xp, H_in, "H_in")
+    check_factor_shape(H_in, n, "H_in", "H_out", m, "columns")
+    _check_h_out(xp, H_out, m, n)
+    if isinstance(incoherence, Incoherence):
+        rot = incoherence
+        if rot.shape != (m, n):
+            raise ValueError(f"incoherence: the rotations are for a {rot.shape[0]} x "
+                             f"{rot.shape[1]} layer, W is {m} x {n}")
+    else:
+        rot = Incoherence(m, n, incoherence)
+    for name, a in (("H_in", H_in), ("H_out", H_out)):
+        if a is not None:
+            check_real_dtype(xp, a, name)
+            check_finite(xp, a, name)
+    res = quantize_layer(rot.rotate_weight(W), rot.rotate_in(H_in), rot.rotate_out(H_out),
+                         **kw)
+    res.values = rot.unrotate_weight(res.values)
+    if res.rtn_values is not None:
+        res.rtn_values = rot.unrotate_weight(res.rtn_values)
+    res.rotation, res.input_dtype = rot, input_dtype
+    return res
 
 
 @dataclass

@@ -140,7 +140,17 @@ def _decode(grid, codes) -> np.ndarray:
 
 # -- calibration ---------------------------------------------------------------------------------
 
+#: ``--calib`` values that sample part or all of the calibration text from the model itself
+#: (:func:`bakron.models.llm.calibration.calibration_ids`).
+GENERATED_CALIB = ("generated+docs", "generated")
+
+
 def _calibration_documents(calib) -> tuple[list[str], str]:
+    if calib in GENERATED_CALIB:
+        cal_all, _ = _builtin_split()
+        return cal_all, ("text sampled from the model (temperature 1, from BOS)"
+                         + (" and the Python Language Reference (pydoc_data), calibration "
+                            "topics, half each" if calib == "generated+docs" else ""))
     if calib == "builtin":
         cal_all, held = _builtin_split()
         return cal_all, (f"the Python Language Reference (pydoc_data), calibration topics "
@@ -513,7 +523,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                    seed: int = 0, batch_size: int = 8, cache=None, wheel=None,
                    progress: bool = True, keep_weights: bool = False,
                    scheduler: str | None = None, gpus: int | None = None, client=None,
-                   retries: int = 2, _after_layer=None) -> dict:
+                   retries: int = 2, _after_layer=None, incoherence: int | None = None) -> dict:
     """Quantize every linear layer of a causal LM and write the export ``out``.
 
     Parameters
@@ -530,9 +540,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
         of 128, symmetric. The GGUF formats fix their grid (giving another is an error).
-    calib : "builtin" or path
-        Calibration text: the stdlib's Python Language Reference, or a UTF-8 file with one
-        document per paragraph (blank-line separated).
+    calib : "builtin", "generated+docs", "generated" or path
+        Calibration text: the stdlib's Python Language Reference; text sampled from the model
+        itself (temperature 1, from BOS; cached, see
+        :mod:`bakron.models.llm.calibration`), alone or for half of the sequences with the
+        Language Reference for the other half; or a UTF-8 file with one document per
+        paragraph (blank-line separated).
     calib_seqs, calib_len
         Number and length (tokens) of the calibration sequences.
     memory_budget : int, optional
@@ -564,6 +577,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         process does without them (the same bytes). ``retries``: re-runs of a task that
         raised (on another worker when there is one).
 
+    incoherence : int, optional
+        Incoherence processing (:mod:`bakron.incoherence`) with this seed: every layer is
+        rotated on both sides before rounding and rotated back. Only for ``fmt="float"``
+        (GGUF and GPTQ files store codes of ``W`` and cannot carry the rotations) and in
+        this process (not with ``scheduler`` / ``gpus`` / ``client``).
+
     Returns a dict: ``out``, ``layers`` (per layer: seconds, resumed), ``seconds`` (per
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
 
@@ -591,6 +610,15 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         memory_budget = _checked(check_int, memory_budget, "memory_budget", minimum=1,
                                  what="a positive number of bytes")
     seed = _checked(check_int, seed, "seed", minimum=0)
+    if incoherence is not None:
+        from .incoherence import refusal
+
+        incoherence = _checked(check_int, incoherence, "incoherence", minimum=0)
+        if refusal(fmt):
+            raise InputError(refusal(fmt))
+        if scheduler is not None or gpus or client is not None:
+            raise InputError("incoherence processing runs in this process only; leave out "
+                             "--scheduler / --gpus")
     retries = _checked(check_int, retries, "retries", minimum=0)
     if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__") or len(tile) != 2:
         raise InputError(f"tile must be a pair of positive integers (tx, ty), got {tile!r}")
@@ -669,7 +697,14 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         seqs = []
         if docs is not None:
             _check_context(lm, calib_len)
-            seqs = calibration_sequences(lm, docs, calib_seqs, calib_len)
+            if calib in GENERATED_CALIB:
+                from .models.llm.calibration import calibration_ids
+
+                seqs = calibration_ids(lm, calib_seqs * calib_len, mix=calib,
+                                       seq_len=calib_len, seed=int(seed), docs=docs,
+                                       cache=cache, progress=progress)
+            else:
+                seqs = calibration_sequences(lm, docs, calib_seqs, calib_len)
             if not seqs:
                 raise InputError(f"the calibration text gives no sequence of at least 2 tokens "
                                  f"({calib_note})")
@@ -685,6 +720,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         seconds["hash"] = time.perf_counter() - t0
         options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
                    "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
+        if incoherence is not None:
+            options["incoherence"] = incoherence
         key = _config_key(grid, factors, options, seqs)
         content = layer_hashes if factors == "rtn" else dict.fromkeys(names, model_hash)
 
@@ -753,7 +790,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                 t = time.perf_counter()
                 values = _solve_and_publish(work, name, layer_key(name),
                                             lm.linear_weight(name), H_in, H_out, grid, tile,
-                                            damp)
+                                            damp, incoherence=incoherence)
                 published(name, time.perf_counter() - t, values)
 
             if solves is not None:
@@ -789,8 +826,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                 from .io import read_tensors
 
                 W = lm.linear_weight(name)
-                q = _fit_grid(W, grid)
+                rot = _rotation(W, incoherence)
+                q = _fit_grid(W if rot is None else rot.rotate_weight(W), grid)
                 W_hat = _decode(q, read_tensors(path)["codes"])
+                if rot is not None:   # the codes are those of U W Vᵀ: rotate back
+                    W_hat = rot.unrotate_weight(W_hat)
                 if keep_weights and name not in state["W_hat"]:
                     state["W_hat"][name] = W_hat
                 layers[name] = (W_hat, q)
@@ -817,12 +857,28 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             solves.close()
 
 
-def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp):
+def _rotation(W, incoherence):
+    """The :class:`~bakron.incoherence.Incoherence` of ``W``'s shape, or ``None``."""
+    if incoherence is None:
+        return None
+    from .incoherence import Incoherence
+
+    return Incoherence(*W.shape, seed=incoherence)
+
+
+def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp, incoherence=None):
     """Fit ``W``'s grid, round the layer onto it (round-to-nearest when ``H_in`` is None)
     and publish its codes write-once; returns ``W_hat``. The one body of a layer's solve,
     in this process and on a Dask worker (bakron.distributed._model_jobs), so both write
-    the same bytes."""
+    the same bytes. With ``incoherence`` (a seed) the layer is rotated on both sides first
+    (:mod:`bakron.incoherence`): the codes are those of ``U W Vᵀ`` and ``W_hat`` is rotated
+    back."""
     t = time.perf_counter()
+    rot = _rotation(W, incoherence)
+    if rot is not None:
+        W = rot.rotate_weight(W)
+        H_in = None if H_in is None else rot.rotate_in(H_in)
+        H_out = rot.rotate_out(H_out)
     q = _fit_grid(W, grid)
     if H_in is None:
         values, codes = q.rtn(W)
@@ -833,7 +889,7 @@ def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp):
                              metrics="none")
         values, codes = res.values, res.codes
     _publish(work, name, key, q, values, codes, seconds=time.perf_counter() - t)
-    return values
+    return values if rot is None else rot.unrotate_weight(values)
 
 
 def _publish(work, name, key, q, values, codes, *, seconds):

@@ -207,7 +207,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         tile=None, damp: float = 0.01, refine_iters: int = 1, refine: str = "sequence",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
-        blas_threads: int | None = 1) -> dict:
+        blas_threads: int | None = 1, calib: str = "docs",
+        continuations: int | None = None) -> dict:
     """Quantize a causal LM's linear layers and write a report (``bakron demo``).
 
     Parameters
@@ -236,6 +237,16 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         float32).
     n_calibration : int, optional
         Calibration sentences (default 64, about 1600 tokens).
+    calib : {"docs", "generated+docs", "generated"}
+        ``docs``: the Language Reference sentences alone; ``generated+docs``: those plus as
+        many tokens of text sampled from the model itself (temperature 1, from BOS, seed
+        ``seed``, sequences of 128 tokens, cached; see
+        :mod:`bakron.models.llm.calibration`); ``generated``: the sampled text alone, as many
+        tokens as the sentences would have had.
+    continuations : int, optional
+        New tokens of the greedy continuations of :data:`PROMPTS` shown in the report for
+        the original and every quantized model (default 30, 12 with ``quick``; 0 for none;
+        skipped when the model cannot generate or decode).
     n_heldout : int, optional
         Evaluation texts: Lee documents (default 16) or, without Lee, held-out sentences
         (default 48).
@@ -301,6 +312,10 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         raise ValueError(f"max_tokens must be >= 2 (a text needs a next token), got {max_tokens}")
     if accum_dtype not in ("float32", "float64"):
         raise ValueError(f"accum_dtype must be 'float32' or 'float64', got {accum_dtype!r}")
+    if continuations is not None:
+        continuations = check_int(continuations, "continuations", minimum=0)
+    if calib not in CALIB_MIXES:
+        raise ValueError(f"calib must be one of {', '.join(CALIB_MIXES)}, got {calib!r}")
     if refine not in ("token", "sequence"):
         raise ValueError(f"refine must be 'token' or 'sequence', got {refine!r}")
     if not damp >= 0:
@@ -317,7 +332,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
                     damp=damp,
                     refine_iters=refine_iters, refine=refine, budget_bytes=budget_bytes,
                     batch_size=batch_size, cache=cache, wheel=wheel, seed=seed,
-                    accum_dtype=accum_dtype,
+                    accum_dtype=accum_dtype, calib=calib, continuations=continuations,
                     proxy_bits=_proxy_bits(proxies, bits)).go()
 
 
@@ -414,6 +429,13 @@ class _Run:
                                 f"Reference (topics never used for calibration)")
         max_tok = self.max_tokens or 64
         self.cal_seqs = [s for s in self.lm.tokenize(cal) if s]
+        self.calib_source = "sentences of the Python Language Reference (pydoc_data.topics)"
+        self.calib_gen_seconds = None
+        if self.calib != "docs" and self.cal_seqs:
+            t_gen = time.perf_counter()
+            self.cal_seqs, self.calib_source = _with_generated(
+                self.lm, self.cal_seqs, self.calib, self.seed, self.cache, self.progress)
+            self.calib_gen_seconds = time.perf_counter() - t_gen
         eval_seqs = [s[:max_tok] for s in self.lm.tokenize(held)]
         eval_seqs = [s for s in eval_seqs if len(s) >= 2]
         if not self.cal_seqs:
@@ -460,6 +482,11 @@ class _Run:
         self.clock.stop("forward_original")
         log(self.progress, f"      perplexity {self.original['perplexity']:.2f} "
                            f"({self.clock.wall['forward_original']:.1f} s)")
+        n = self.continuations
+        self.n_continue = (12 if self.quick else 30) if n is None else n
+        self.clock.start()
+        self.samples = _continuations(self.lm, self.n_continue)
+        self.clock.stop("continuations_original")
 
     def _hessians_and_solves(self):
         from ..hessian import global_factors
@@ -605,6 +632,8 @@ class _Run:
                 if self.data2 is not None:
                     fig["in_domain"] = evaluate(xp, st, self.W_out, self.data2,
                                                 self.ref_hidden2)[0]
+                if self.samples is not None:
+                    fig["continuations"] = _continuations(qm, self.n_continue)
                 del qm, new, st
                 fig.update(bits=b, method=meth, label=METHODS[meth],
                            seconds_eval=time.perf_counter() - t0,
@@ -659,8 +688,9 @@ class _Run:
                          "blas_threads": self.blas if self.dev == "cpu" else None},
             "data": {"calibration_texts": self.n_cal_texts,
                      "calibration_tokens": int(sum(map(len, self.cal_seqs))),
-                     "calibration_source": "sentences of the Python Language Reference "
-                                           "(pydoc_data.topics)",
+                     "calibration_source": self.calib_source,
+                     "calibration_mix": self.calib,
+                     "calibration_generation_seconds": self.calib_gen_seconds,
                      "eval_texts": self.data.n_texts, "eval_tokens": self.data.tokens,
                      "eval_predicted_tokens": self.data.predicted,
                      "eval_max_tokens": self.max_tok, "eval_source": self.eval_source,
@@ -668,11 +698,77 @@ class _Run:
                      "indomain_source": self.indomain_source,
                      "indomain_tokens": self.data2.tokens if self.data2 else None},
             "original_indomain": self.original2,
+            "continuations": None if self.samples is None else {
+                "prompts": list(PROMPTS), "max_new_tokens": self.n_continue,
+                "original": self.samples},
             "layers_quantized": self.names, "original": self.original,
             "summary": self.summary, "layers": self.rows, "hessian": hess,
             "seconds": dict(c.wall), "cpu_seconds": dict(c.cpu), "peak_bytes": dict(c.peak),
             "memory_measure": c.memory.what,
         }
+
+
+#: Prompts of the greedy continuations in the report.
+PROMPTS = ("The capital of France is", "Water boils at a temperature of",
+           "def is_prime(n):\n")
+
+
+def _continuations(lm, n_new):
+    """Greedy continuations (``n_new`` tokens, key/value-cached) of :data:`PROMPTS` by
+    ``lm``, decoded; ``None`` when there are none to make (``n_new`` 0, or a model without
+    ``generate`` or a tokenizer that decodes)."""
+    tok = getattr(lm, "tokenizer", None)
+    if not n_new or not hasattr(lm, "generate") or not hasattr(tok, "decode"):
+        return None
+    ids = lm.tokenize(list(PROMPTS))
+    return [lm.decode(t) for t in lm.generate(ids, n_new, greedy=True)]
+
+
+def _cell(text: str) -> str:
+    """``text`` in a markdown table cell: pipes escaped, line breaks shown as ``⏎``."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace(
+        "\n", "⏎ ").replace("`", "\\`") or "(nothing: the end-of-text token)"
+
+
+def _continuation_lines(res) -> list[str]:
+    """The report's section of greedy continuations by the original and each quantized
+    model, one table per prompt."""
+    c = res.get("continuations")
+    if not c:
+        return []
+    lines = ["## What rounding did to the text", "",
+             f"Greedy continuations ({c['max_new_tokens']} new tokens at most) of fixed "
+             f"prompts by the original model and each quantized one (⏎: a line break).", ""]
+    for i, prompt in enumerate(c["prompts"]):
+        rows = [["model", "continuation"], ["original", _cell(c["original"][i])]]
+        rows += [[f"{e['bits']} bits, {e['method']}", _cell(e["continuations"][i])]
+                 for e in res["summary"] if e.get("continuations")]
+        lines += [f"Prompt: `{prompt.strip()}`" + (" (and a line break)"
+                                                   if prompt.endswith("\n") else ""), "",
+                  md_table(rows), ""]
+    return lines
+
+
+#: The demo's calibration choices (``calib``).
+CALIB_MIXES = ("docs", "generated+docs", "generated")
+
+
+def _with_generated(lm, sentences, mix, seed, cache, progress):
+    """The calibration sequences and their description for ``mix`` ``generated+docs`` (the
+    sentences plus about as many tokens sampled from the model) or ``generated`` (the sampled
+    text alone, about as many tokens as the sentences)."""
+    from ..models.llm.calibration import generated_sequences
+
+    n_tok = sum(map(len, sentences))
+    L = min(128, int(lm.config.max_positions))
+    gen = generated_sequences(lm, max(1, -(-n_tok // L)), L, seed=seed, cache=cache,
+                              progress=progress)
+    what = (f"sequences of {L} tokens sampled from the model (temperature 1, from BOS, "
+            f"seed {seed})")
+    if mix == "generated":
+        return gen, what
+    return gen + list(sentences), (f"texts: {len(gen)} {what} and {len(sentences)} sentences "
+                                   f"of the Python Language Reference (pydoc_data.topics)")
 
 
 def _device_of(lm):
@@ -823,6 +919,7 @@ def _markdown(res: dict) -> str:
         "",
         *_findings(res),
         "",
+        *_continuation_lines(res),
     ]
     if res.get("original_indomain"):
         lines += [

