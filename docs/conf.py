@@ -50,7 +50,8 @@ html_theme_options = {
     "show_toc_level": 2,
     # the benchmark pages hold wide tables: give them the right-hand column too
     "secondary_sidebar_items": {"**": ["page-toc", "sourcelink"],
-                                "benchmarks/cpu": [], "benchmarks/h200": []},
+                                "benchmarks/cpu": [], "benchmarks/gpu": [],
+                                "benchmarks/stacks": []},
 }
 # every page sits directly under the landing page, so the theme's "Section Navigation" (which
 # starts one level down) would be empty: show the whole table of contents instead
@@ -62,8 +63,9 @@ html_css_files = ["bakron.css"]
 
 # -- pages written by other parts of the project --------------------------------------------
 # The index toctrees name some pages by :glob: pattern (docs/hessian.md, docs/benchmarks/*.md,
-# ...). Sphinx warns -- an error under -W -- when a pattern matches nothing, so before the index
-# is parsed, glob entries that match no page are dropped (and a toctree left empty is dropped).
+# ...). Sphinx warns -- an error under -W -- when a pattern matches nothing (pages named
+# explicitly in any toctree of the index do not count), so before the index is parsed, glob
+# entries that match no other page are dropped (and a toctree left empty is dropped).
 # A toctree entry ``*remaining*`` lists every page that no toctree names, so a page added
 # later never breaks the build with "document isn't included in any toctree".
 
@@ -93,11 +95,16 @@ def _resolve_toctrees(app, docname, source):
     pages = [p for p in _all_pages(app.srcdir) if p != root_doc]
     text = source[0]
     named: set[str] = set()
+    explicit: set[str] = set()  # pages named without a pattern: a glob never adds them again
     for m in _FENCE.finditer(text):
         for e in _entries(m.group(1)):
             if e == "*remaining*":
                 continue
-            named.update(fnmatch.filter(pages, e) if _GLOB.search(e) else [e])
+            if _GLOB.search(e):
+                named.update(fnmatch.filter(pages, e))
+            else:
+                named.add(e)
+                explicit.add(e)
     remaining = [p for p in pages if p not in named]
 
     def fix(m):
@@ -108,7 +115,7 @@ def _resolve_toctrees(app, docname, source):
                 lines.extend(remaining)
                 kept += len(remaining)
             elif e and not e.startswith(":") and _GLOB.search(e):
-                hits = fnmatch.filter(pages, e)
+                hits = [p for p in fnmatch.filter(pages, e) if p not in explicit]
                 if hits:
                     lines.append(ln)
                     kept += 1

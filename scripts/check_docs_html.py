@@ -9,7 +9,12 @@ Usage::
 
 Static checks, on every page: a page with maths loads MathJax from a file inside the build (not
 from a CDN) and that file exists; no page loads any script from the network; no page contains
-internal wording ("SPEC §", "issue 3", "when it is part of your version").
+internal wording ("SPEC §", "issue 3", "when it is part of your version") or a machine path
+(``/tmp/...``, ``/work/...``, ``/root/...``, ``/home/...``). The user pages -- every page but
+those under ``development/``, the development notes outside the user guide -- also contain no
+lab-log wording: no commit hash in prose (7 to 40 hex digits with both a digit and a letter,
+outside code), no numbered call ("call 2", "calls 2 / 4", "call 1, round 2") and no wording of
+the machinery that ran the measurements ("device tool", "device call", "$OUT", "files_at").
 
 ``--browser`` opens every page in headless Chromium (Debian's ``chromium`` package) with DNS
 resolution disabled, so nothing can come from the network, and checks in the rendered DOM that
@@ -34,6 +39,17 @@ _SCRIPT_SRC = re.compile(r"<script\b[^>]*\bsrc=\"([^\"]+)\"", re.I)
 _MATH = re.compile(r"<(span|div) class=\"math\b[^\"]*\"", re.I)
 _INTERNAL = re.compile(r"SPEC\s*§|SPEC\.md|\bissue \d+\b|when it is part of your version", re.I)
 _TAGS = re.compile(r"<script\b.*?</script>|<style\b.*?</style>|<[^>]+>", re.S | re.I)
+_CODE = re.compile(r"<pre\b.*?</pre>|<code\b.*?</code>", re.S | re.I)
+# everywhere, code included: absolute paths of the machines the docs were written on
+_MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:tmp|work|root|home)/[\w.~-]+")
+# user pages only (the development notes may keep their history): a commit hash in prose,
+# a numbered call of the measuring machinery, the measuring machinery's own words
+_HASH = re.compile(r"(?<![\w./#-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/-])")
+_CALL = re.compile(r"\bcalls? \d+(?!\.\d)(?:\s*(?:/|,|–|-|and|or)\s*\d+)*\b", re.I)
+_DEVICE = re.compile(r"\bdevice[ -](?:tool|calls?|machines?|host|time)\b|\$OUT\b|\bfiles_(?:at|fetch)\b",
+                     re.I)
+#: the folder of the development notes, outside the user path (exempt from the lab-log rules)
+DEV_NOTES = "development"
 
 
 def pages(root: Path) -> list[Path]:
@@ -56,10 +72,33 @@ def static_problems(root: Path, page: Path) -> list[str]:
         for s in mj:
             if not re.match(r"(https?:)?//", s) and not (page.parent / s.split("?")[0]).is_file():
                 bad.append(f"{rel}: MathJax script {s} is not in the build")
-    text = _TAGS.sub(" ", html)
-    for m in _INTERNAL.finditer(text):
+    return bad + wording_problems(rel, html)
+
+
+def _hits(rel, what: str, pattern: re.Pattern, text: str) -> list[str]:
+    out = []
+    for m in pattern.finditer(text):
         ctx = " ".join(text[max(0, m.start() - 60):m.end() + 40].split())
-        bad.append(f"{rel}: internal wording {m.group(0)!r}: ...{ctx}...")
+        out.append(f"{rel}: {what} {m.group(0)!r}: ...{ctx}...")
+    return out
+
+
+def user_page(rel: Path) -> bool:
+    """False for the development notes (``development/...``), True for every other page."""
+    return not (rel.parts and rel.parts[0] == DEV_NOTES)
+
+
+def wording_problems(rel: Path, html: str) -> list[str]:
+    """The wording rules on one page's HTML (the module docstring lists them)."""
+    body = re.sub(r"^.*?<body\b", "<body", html, count=1, flags=re.S | re.I)  # not the <head>
+    text = _TAGS.sub(" ", body)
+    bad = _hits(rel, "internal wording", _INTERNAL, text)
+    bad += _hits(rel, "machine path", _MACHINE_PATH, text)
+    if user_page(Path(rel)):
+        prose = _TAGS.sub(" ", _CODE.sub(" ", body))
+        bad += _hits(rel, "commit hash", _HASH, prose)
+        bad += _hits(rel, "numbered call", _CALL, text)
+        bad += _hits(rel, "device-tool wording", _DEVICE, text)
     return bad
 
 
