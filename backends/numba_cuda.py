@@ -37,47 +37,20 @@ pointer for every item). ``antidiagonal``: one launch for the whole chunk, ``M +
 steps, each over every item's tiles; ``wavefront``: per coarse step batched GEMMs, one
 launch, batched GEMMs, for all items. The recursion has no stack form (its chunks run item by
 item). Extra memory: ``E`` and the accumulator per item (``2 m n``), plus one coarse diagonal
-of base targets for the wavefront and, for blocks of at least ``GATHER_MIN_SIDE``, its partial
+of base targets for the wavefront and, for blocks of at least ``gather_min_side``, its partial
 products (at most ``m n`` more per item).
 
 Memory beyond the inputs, the factors and the outputs (``Ŵ``, int16 codes): ``E`` (m n) plus
 ``Yg`` (m n) for the wavefront, ``F`` (m n) for the recursion, a scratch (m n) for the
 anti-diagonal; the wavefront adds one coarse diagonal of base targets (at most
 ``min(M_c, N_c)`` blocks) and, when its gathers are split, their partial products (up to
-``GATHER_SPLIT_MAX`` times that, at most about m n).
+``gather_split`` times that, at most about m n).
 
-Options (module attributes, or environment variables read at import):
-
-* ``TF32`` (``BAKRON_CUDA_TF32=1``): let cuBLAS use TF32 tensor cores for float32 GEMMs
-  (faster, less accurate: Ŵ may differ from float64 in many more places). Off by default.
-* ``MAXREG`` (``BAKRON_CUDA_MAXREG``, default 128): register cap of the kernel (two CTAs of
-  256 threads per SM at 128); 0 leaves it to the compiler.
-* ``PER_THREAD`` (``BAKRON_CUDA_PER_THREAD``, default 0): elements of a tile per thread of
-  the kernel (a 16 x 16 tile: 256 threads at 1, 128 at 2); 0 picks per step
-  (``per_thread``, measured in docs/benchmarks/h200.md).
-* ``LAUNCH`` (``BAKRON_CUDA_LAUNCH``, ``ptr`` or ``array``): pass raw device pointers to the
-  kernel (no wrapping per launch) or wrapped 1-D arrays (``cuda.as_cuda_array``; slower).
-* ``STEP`` (``BAKRON_CUDA_STEP``, ``auto``, ``running`` or ``chain``): the kernel's tile
-  step (docs/engines.md, "The GPU tile step"): running sums (each step adds the
-  contributions of the tiles rounded at the step before), or each tile's whole sums formed
-  when it rounds; ``auto`` takes running sums when a block's sums need more than one
-  K-chunk (blocks of more than 5 tiles of 16).
-* ``LOCAL_BLOCKS`` (``BAKRON_CUDA_LOCAL_BLOCKS``, default 64), ``LOCAL_TILES``
-  (``BAKRON_CUDA_LOCAL_TILES``, default 16): launches of at least that many blocks of at
-  most that many tiles solve whole blocks per CTA without grid synchronisations (a
-  stack's coarse steps; 0 blocks: never; docs/engines.md, "Blocks per CTA and the depth
-  of whole sums").
-* ``STACK_BASE`` (``BAKRON_CUDA_STACK_BASE``, default 4): the coarse block of a stack's
-  wavefront when ``base`` is not given (below).
-* ``STACK`` (``BAKRON_CUDA_STACK``, default 1): the stack hook ``solve_stack`` (every launch
-  and GEMM covers all items of a stack chunk, docs/stacks.md); 0 declines every stack, so
-  the stack layer solves the items one by one (what the benchmark compares against).
-* ``SCATTER_ROWS`` (``BAKRON_CUDA_SCATTER_ROWS``, default 1), ``GATHER_TILES``
-  (``BAKRON_CUDA_GATHER_TILES``, default 512), ``GATHER_MIN_SIDE``
-  (``BAKRON_CUDA_GATHER_MIN_SIDE``, default 128), ``GATHER_SPLIT_MAX``
-  (``BAKRON_CUDA_GATHER_SPLIT``, default 8): how the wavefront's GEMMs leave out the
-  factors' zeros (scatters by block rows, gathers as partial products over K; 0 turns
-  either off; docs/engines.md, "Zeros and parallelism in the wavefront's GEMMs").
+Options: :class:`bakron.CudaOptions` (``solve(..., options=CudaOptions(...))``; its fields
+and the environment variables that set their defaults are listed there and in
+docs/engine-contract.md). Every solve reads its options from its ``Problem``
+(``p.options_for(CudaOptions)``); the kernels, their cooperative grid sizes and the plans are
+cached under keys that hold the options they depend on.
 """
 from __future__ import annotations
 
@@ -89,7 +62,10 @@ __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method
            "DEFAULT_BASE", "solve_stack", "stack_method", "count_nonfinite", "factor_scan",
            "input_checks", "stack_checks"]
 
-from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
+from bakron.solvers.options import CudaOptions, defaults
+from bakron.solvers.engines import (COUNT_NONFINITE, FACTOR_SCAN, INPUT_CHECKS, SOLVE_STACK,
+                                    STACK_CHECKS, STACK_METHOD, UNIFORM_FUSED, Capabilities,
+                                    EngineResult)
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT,
                                      RecursionPlan, step_count, step_width, two_level)
 
@@ -99,50 +75,9 @@ from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_E_OF
                            P_N, P_NBLK, P_NSTEPS, P_PERIOD, P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS,
                            PRM, TWO_SIDED, block_row)
 
-SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-TF32 = os.environ.get("BAKRON_CUDA_TF32", "0") == "1"
-
-
-def _check_int(name: str, raw, low: int) -> int:
-    """``raw`` as an integer of at least ``low``; a ``ValueError`` naming ``name`` otherwise."""
-    try:
-        v = int(raw)
-    except (TypeError, ValueError):
-        v = low - 1
-    if v < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {raw!r}")
-    return v
-
-
-def _int_option(name: str, default: int, low: int) -> int:
-    """An integer option from the environment variable ``name`` (read at import)."""
-    return _check_int(name, os.environ.get(name, str(default)), low)
-
-
-MAXREG = _int_option("BAKRON_CUDA_MAXREG", 128, 0)
-STACK = os.environ.get("BAKRON_CUDA_STACK", "1") == "1"
-STEP = os.environ.get("BAKRON_CUDA_STEP", "auto")
-PER_THREAD = os.environ.get("BAKRON_CUDA_PER_THREAD", "0")
-LAUNCH = os.environ.get("BAKRON_CUDA_LAUNCH", "array" if SIM else "ptr")
-#: The wavefront's gather GEMMs (long K, a few large outputs) are split along K into
-#: partial products, summed by one small kernel, into ``GATHER_TILES // t`` chunks when a
-#: coarse step's blocks are at least ``GATHER_MIN_SIDE`` a side and one item's outputs cover
-#: ``t`` tiles of 128 x 128: more CTAs for cuBLAS, and the K chunks that meet only zeros of
-#: ``A_I`` are left out (0: never split; docs/engines.md, "Zeros and parallelism in the
-#: wavefront's GEMMs"). The rule looks at one item only, so a stack's items are split as
-#: their single solves are (and equal them bitwise).
-GATHER_TILES = _int_option("BAKRON_CUDA_GATHER_TILES", 512, 0)
-GATHER_MIN_SIDE = _int_option("BAKRON_CUDA_GATHER_MIN_SIDE", 128, 1)
-#: At most this many K chunks per gather.
-GATHER_SPLIT_MAX = _int_option("BAKRON_CUDA_GATHER_SPLIT", 8, 1)
-#: The scatter GEMMs' output rows in chunks of this many coarse block rows, leaving out the
-#: chunks where ``A_O`` is zero (0: one entry per block over the group's rows, as before).
-SCATTER_ROWS = _int_option("BAKRON_CUDA_SCATTER_ROWS", 1, 0)
-#: Launches of at least ``LOCAL_BLOCKS`` blocks of at most ``LOCAL_TILES`` tiles each solve
-#: whole blocks per CTA, one after the other, without grid synchronisations (0: never;
-#: docs/engines.md, "Blocks per CTA and the depth of whole sums").
-LOCAL_BLOCKS = _int_option("BAKRON_CUDA_LOCAL_BLOCKS", 64, 0)
-LOCAL_TILES = _int_option("BAKRON_CUDA_LOCAL_TILES", 16, 1)
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"  # numba-cuda's simulator (numba's variable)
+#: set when a raw-pointer launch has failed in this process: every launch then wraps arrays
+_PTR_FAILED = False
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
 #: (the recursion's base, the wavefront's coarse block). Measured: docs/benchmarks/h200.md.
@@ -154,7 +89,9 @@ NAME = "cuda"
 #: a side
 CAPABILITIES = Capabilities(methods=("antidiagonal", "wavefront", "recursive"),
                             namespaces=("numpy",) if SIM else ("cupy",),
-                            quantizers=UNIFORM_FUSED, max_tile=(64, 64, 1024))
+                            quantizers=UNIFORM_FUSED, max_tile=(64, 64, 1024),
+                            hooks=(COUNT_NONFINITE, FACTOR_SCAN, INPUT_CHECKS, STACK_CHECKS,
+                                   SOLVE_STACK, STACK_METHOD))
 
 _STREAMS: dict = {}
 _MAXGRID: dict = {}
@@ -162,34 +99,39 @@ _PARAMS: dict = {}   # launch descriptors on the device, oldest first
 _PARAMS_MAX = 4096
 
 
-def per_thread(running: bool) -> int:
-    """Elements of a tile per thread of the kernel: ``PER_THREAD``, or when it is 0, 2 for
-    the running-sum step and 1 for the other (measured on the H200: a 4096² wavefront
+def per_thread(opts: CudaOptions, running: bool) -> int:
+    """Elements of a tile per thread of the kernel: ``opts.per_thread``, or when it is 0, 2
+    for the running-sum step and 1 for the other (measured on the H200: a 4096² wavefront
     with CTAs of 128 threads, twice as many resident, took 11 % less time,
     docs/benchmarks/h200.md)."""
-    v = _check_int("BAKRON_CUDA_PER_THREAD (numba_cuda.PER_THREAD)", PER_THREAD, 0)
-    if v:
-        return v
-    return 2 if running else 1
+    return opts.per_thread or (2 if running else 1)
+
+
+def launch_mode(opts: CudaOptions) -> str:
+    """How the kernels get their arrays: ``"ptr"`` (raw device pointers) or ``"array"``
+    (wrapped arrays: ``opts.launch``, the simulator, or after a failed pointer launch)."""
+    return "array" if (SIM or _PTR_FAILED or opts.launch == "array") else "ptr"
 
 
 def kernel_variant(dtname: str, tx: int, ty: int, items: bool, running: bool,
-                   local: bool = False):
-    """``(dispatcher, threads)`` of the kernel for a dtype, tile and step under the module's
-    options (``LAUNCH``, ``MAXREG``, ``PER_THREAD``); compiled once and cached. ``local``:
-    the variant that solves whole blocks per CTA (``LOCAL_BLOCKS``)."""
-    return _kernels().make_kernel(dtname, tx, ty,
-                                  "array" if (SIM or LAUNCH == "array") else "ptr",
-                                  0 if SIM else MAXREG, items=items, running=running,
-                                  per_thread=per_thread(running), local=local)
+                   local: bool = False, opts: CudaOptions | None = None):
+    """``(dispatcher, threads)`` of the kernel for a dtype, tile and step under the options
+    ``opts`` (default: the defaults; ``launch``, ``maxreg``, ``per_thread``); compiled once
+    and cached (``make_kernel``'s cache is keyed on those). ``local``: the variant that
+    solves whole blocks per CTA (``local_blocks``)."""
+    opts = defaults(CudaOptions) if opts is None else opts
+    return _kernels().make_kernel(dtname, tx, ty, launch_mode(opts),
+                                  0 if SIM else opts.maxreg, items=items, running=running,
+                                  per_thread=per_thread(opts, running), local=local)
 
 
 def grid_key(dtname: str, tx: int, ty: int, items: bool, running: bool, dev: int,
-             local: bool = False) -> tuple:
+             local: bool = False, opts: CudaOptions | None = None) -> tuple:
     """The key of a kernel variant's cooperative grid size in ``_MAXGRID`` (filled on its first
-    launch; the GPU benchmark reports it)."""
-    return (dtname, tx, ty, LAUNCH, MAXREG, bool(items), bool(running), per_thread(running),
-            dev, bool(local))
+    launch; the GPU benchmark reports it): the kernel's options in it."""
+    opts = defaults(CudaOptions) if opts is None else opts
+    return (dtname, tx, ty, launch_mode(opts), opts.maxreg, bool(items), bool(running),
+            per_thread(opts, running), dev, bool(local))
 
 
 def _cuda():
@@ -247,6 +189,7 @@ class _DeviceSolve:
         stream (``p``'s quantizer stands for every item of a stack; ``items``: the kernel
         variant that reads the blocks' item offsets)."""
         self.p = p
+        self.opts = p.options_for(CudaOptions)
         self.items = bool(items)
         if SIM:
             self.mod = np
@@ -279,13 +222,11 @@ class _DeviceSolve:
     # -- kernel --------------------------------------------------------------------------
     def running(self, span) -> bool:
         """Whether a launch whose largest block has ``span = (Mb, Nb)`` tiles uses the step
-        of running sums (``STEP``; ``auto``: when a tile's sums would need more than one
-        chunk of the other step, docs/engines.md, "The GPU tile step")."""
-        if STEP not in ("auto", "running", "chain"):
-            raise ValueError(f"BAKRON_CUDA_STEP (numba_cuda.STEP) must be 'auto', 'running' or "
-                             f"'chain', got {STEP!r}")
-        if STEP != "auto":
-            return STEP == "running"
+        of running sums (``CudaOptions.step``; ``auto``: when a tile's sums would need more
+        than one chunk of the other step, docs/engines.md, "The GPU tile step")."""
+        step = self.opts.step
+        if step != "auto":
+            return step == "running"
         p = self.p
         Mb, Nb = span
         chain = max((Mb - 1) * p.tx if p.two_sided else 0, (Nb - 1) * p.ty)
@@ -297,20 +238,20 @@ class _DeviceSolve:
         if hit is None:
             p = self.p
             hit = self._kernels[(running, local)] = kernel_variant(
-                self.dtname, p.tx, p.ty, self.items, running, local)
+                self.dtname, p.tx, p.ty, self.items, running, local, self.opts)
         return hit
 
     def max_grid(self, running: bool, local: bool = False) -> int:
         if SIM:
             return 1
         key = grid_key(self.dtname, self.p.tx, self.p.ty, self.items, running, self.dev,
-                       local)
+                       local, self.opts)
         g = _MAXGRID.get(key)
         if g is None:
             cuda = _cuda()
             disp, nt = self.kernel(running, local)
             with cuda.gpus[self.dev]:
-                if LAUNCH == "ptr":
+                if launch_mode(self.opts) == "ptr":
                     kern = next(iter(disp.overloads.values()))
                     g = int(kern.max_cooperative_grid_blocks(nt))
                 else:
@@ -322,7 +263,7 @@ class _DeviceSolve:
         """A kernel argument for array ``x`` (flat): a device pointer or a 1-D array."""
         if SIM:
             return x.reshape(-1)
-        if LAUNCH == "ptr":
+        if launch_mode(self.opts) == "ptr":
             return int(x.data.ptr)
         key = id(x)
         hit = self._wrapped.get(key)
@@ -361,13 +302,13 @@ class _DeviceSolve:
         that solves whole blocks per CTA (``_local``)."""
         W = self.W
         run = self.running(span)
-        local = _local(nblk, span)
+        local = _local(self.opts, nblk, span)
         kernel, nt = self.kernel(run, local)
         width = nblk if local else grid[0] if run else grid[1]
         prm = self.params(nblk, nsteps, flags, period)
         if SIM:
             dsc = desc[first * DESC:]
-        elif LAUNCH == "ptr":
+        elif launch_mode(self.opts) == "ptr":
             dsc = int(desc.data.ptr) + first * DESC * 8
             prm = int(prm.data.ptr)
         else:
@@ -386,7 +327,7 @@ class _DeviceSolve:
             return
         cuda = _cuda()
         with cuda.gpus[self.dev]:
-            if LAUNCH == "ptr":
+            if launch_mode(self.opts) == "ptr":
                 kern = next(iter(kernel.overloads.values()))
                 try:
                     from . import _cuda_launch
@@ -444,7 +385,7 @@ class _DeviceSolve:
         opb = 1 if tb else 0
         f32 = self.dtname == "float32"
         mode = None
-        if f32 and TF32:
+        if f32 and self.opts.tf32:
             mode = cublas.getMathMode(h)
             cublas.setMathMode(h, 3)  # CUBLAS_TF32_TENSOR_OP_MATH
         if _cublas_scalars_by_pointer(h):
@@ -552,11 +493,11 @@ def _kernel_order(problem, buffers, quant_grid, schedule) -> tuple:
 
 
 def _fallback_to_arrays(exc) -> None:
-    global LAUNCH
+    global _PTR_FAILED
     import warnings
     warnings.warn(f"bakron cuda engine: raw-pointer kernel launch failed ({exc!r}); "
                   "falling back to wrapped arrays (slower launches)", RuntimeWarning)
-    LAUNCH = "array"
+    _PTR_FAILED = True
 
 
 def _numba_stream(ptr: int, dev: int):
@@ -608,13 +549,15 @@ def _widths(shapes, two: bool, copies: int = 1) -> tuple:
             copies * sum(step_width(int(a), int(b), two) for a, b in shapes))
 
 
-def _local(nblk: int, span) -> bool:
+def _local(opts: CudaOptions, nblk: int, span) -> bool:
     """Whether a launch of ``nblk`` blocks, the largest ``span = (Mb, Nb)`` tiles, solves
-    whole blocks per CTA: at least ``LOCAL_BLOCKS`` blocks of at most ``LOCAL_TILES`` tiles
+    whole blocks per CTA: at least ``opts.local_blocks`` blocks of at most
+    ``opts.local_tiles`` tiles
     (measured on the H200: blocks of 4 x 4 tiles gain, whole 16 x 16-tile matrices per CTA
     took 2.4 times as long as their grid-wide steps; docs/engines.md, "Blocks per CTA and
     the depth of whole sums")."""
-    return 0 < LOCAL_BLOCKS <= nblk and int(span[0]) * int(span[1]) <= LOCAL_TILES
+    return (0 < opts.local_blocks <= nblk
+            and int(span[0]) * int(span[1]) <= opts.local_tiles)
 
 
 def _period(shapes) -> int:
@@ -633,8 +576,9 @@ def _period(shapes) -> int:
 
 def _key(r: _DeviceSolve, method: str, base: int):
     p = r.p
-    return (method, base, p.m, p.n, p.tx, p.ty, p.two_sided, r.dev, SIM, GATHER_TILES,
-            GATHER_MIN_SIDE, GATHER_SPLIT_MAX, SCATTER_ROWS)
+    o = r.opts  # the options the plans depend on
+    return (method, base, p.m, p.n, p.tx, p.ty, p.two_sided, r.dev, SIM, o.gather_tiles,
+            o.gather_min_side, o.gather_split, o.scatter_rows)
 
 
 def _antidiagonal(r: _DeviceSolve) -> None:
@@ -657,6 +601,7 @@ class _WavePlan:
 
     def __init__(self, r: _DeviceSolve, cs: int):
         p = r.p
+        o = r.opts  # the gathers and scatters follow its gather_* and scatter_rows
         m, n = p.m, p.n
         R, C = p.rows, p.cols
         two = p.two_sided
@@ -686,8 +631,8 @@ class _WavePlan:
                 # so one K range (from the group's leftmost block) serves the whole batch
                 tiles = sum(-(-h // 128) * -(-w // 128) * len(grp)
                             for (h, w), grp in shapes.items())
-                large = min(min(hw) for hw in shapes) >= GATHER_MIN_SIDE
-                split = min(GATHER_SPLIT_MAX, GATHER_TILES // tiles) if large else 1
+                large = min(min(hw) for hw in shapes) >= o.gather_min_side
+                split = min(o.gather_split, o.gather_tiles // tiles) if large else 1
                 if split >= 2:
                     reduce = len(counts)
                     counts.append(self._split_gather(shapes, split, n, Sc, per, nblk, C, R,
@@ -714,8 +659,8 @@ class _WavePlan:
                 # right of a block's rows, so the group's lowest block sets Rg); the kernel
                 # has added the identity part E_block already
                 for (h, w), grp in shapes.items():
-                    if SCATTER_ROWS:
-                        self._split_scatter(grp, h, w, m, n, R, C, cs * SCATTER_ROWS * p.tx,
+                    if o.scatter_rows:
+                        self._split_scatter(grp, h, w, m, n, R, C, cs * o.scatter_rows * p.tx,
                                             plan_gemm, after)
                         continue
                     Rg = R[max(b.rb for _, b in grp)]
@@ -1002,11 +947,10 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
 
 #: ``method="auto"`` on a stack: the two-level wavefront in stack form (per coarse step one
 #: launch over every item's blocks, batched GEMMs over the items), with coarse blocks of
-#: ``STACK_BASE`` tiles when ``base`` is not given. Measured on the H200 (64 x 1024², 128 x
-#: 768x2048, 64 x 256²; docs/benchmarks/h200.md, "Stacks"): the wavefront was as fast as or
+#: ``CudaOptions.stack_base`` tiles (default 4) when ``base`` is not given. Measured on the
+#: H200 (64 x 1024², 128 x 768x2048, 64 x 256²; docs/benchmarks/h200.md, "Stacks"): the wavefront was as fast as or
 #: faster than the one-launch anti-diagonal at every size (1.7x at 1024²), and base 4 the
 #: fastest of 2, 4, 8, 16 on all three. Matrices of at most 4 tiles take the anti-diagonal.
-STACK_BASE = _int_option("BAKRON_CUDA_STACK_BASE", 4, 1)
 #: ... for items of fewer than ``STACK_LARGE`` tiles a side; larger items take the single
 #: layer's ``DEFAULT_BASE``. Measured on the H200 (float32, tile 16): base 4 against 16 for
 #: 64 x 1024² 26.7 against 36.0 ms, for 128 x 768x2048 80.3 against 110.6 ms; for the stacks
@@ -1017,12 +961,12 @@ STACK_LARGE = 256
 STACK_MIN_ITEMS = 2
 
 
-def stack_base(p) -> int:
+def stack_base(p, opts: CudaOptions) -> int:
     """The coarse block of a stack's wavefront when ``base`` is not given (``p``: the first
-    item's ``Problem``): ``STACK_BASE``, or ``DEFAULT_BASE`` for items with a side of
+    item's ``Problem``): ``opts.stack_base``, or ``DEFAULT_BASE`` for items with a side of
     ``STACK_LARGE`` tiles or more (where one item's blocks already fill the GPU and fewer,
     larger GEMMs pay)."""
-    return DEFAULT_BASE if max(p.M, p.N) >= STACK_LARGE else STACK_BASE
+    return DEFAULT_BASE if max(p.M, p.N) >= STACK_LARGE else opts.stack_base
 
 
 class _StackSolve(_DeviceSolve):
@@ -1098,7 +1042,7 @@ def _stack_antidiagonal(r: _StackSolve) -> str:
     nsteps = step_count(p.M, p.N, two)
     r.launch(desc, 0, r.nb, nsteps, _widths([(p.M, p.N)], two, r.nb), 0, Y, period=1,
              span=(p.M, p.N))
-    if _local(r.nb, (p.M, p.N)):
+    if _local(r.opts, r.nb, (p.M, p.N)):
         return (f"one launch for {r.nb} items: each CTA solves whole items, {nsteps} tile "
                 f"steps each")
     return (f"one launch for {r.nb} items: {nsteps} grid-synchronised tile steps, each over "
@@ -1187,7 +1131,7 @@ def stack_method(p, items: int, method: str) -> str | None:
     ``wavefront`` have stack forms, the recursion not; ``"auto"`` (for at least
     ``STACK_MIN_ITEMS`` items) takes the two-level wavefront (the anti-diagonal for
     matrices of at most 4 tiles)."""
-    if not STACK:
+    if not p.options_for(CudaOptions).stack:
         return None
     if method in ("antidiagonal", "wavefront"):
         return method
@@ -1212,7 +1156,7 @@ def solve_stack(chunk):
         return None
     W0, A_out0, A_in0, q0 = chunk.item(chunk.start)
     p = Problem(_xp.namespace(W0), W0, A_out0, A_in0, q0, chunk.tile,
-                record_targets=chunk.targets is not None)
+                record_targets=chunk.targets is not None, options=chunk.options)
     if CAPABILITIES.refusal(p) is not None:
         return None
     method = stack_method(p, int(chunk.values.shape[0]), chunk.method)  # the whole stack's
@@ -1230,7 +1174,7 @@ def solve_stack(chunk):
     if method == "antidiagonal":
         ran = _stack_antidiagonal(r)
     else:
-        base = max(1, int(stack_base(p) if chunk.base is None else chunk.base))
+        base = max(1, int(stack_base(p, r.opts) if chunk.base is None else chunk.base))
         ran = _stack_wavefront(r, base)
     return [{"quantizer_calls": 0, "launches": r.launches, "gemms": r.gemms, "method": method,
              "base": base,
@@ -1292,12 +1236,14 @@ def stack_checks(arrays: dict, blocks: dict):
     return _cuda_checks.stack_checks(_check_context(), arrays, blocks)
 
 
-def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),)) -> None:
-    """Compile the kernels (a few seconds each) so that the first solve is not slower."""
+def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),),
+            options: CudaOptions | None = None) -> None:
+    """Compile the kernels (a few seconds each) so that the first solve is not slower
+    (``options``: the options the solves will run with; default the defaults)."""
     for dt in dtypes:
         for tx, ty in tiles:
             for running in (True, False):
-                kernel_variant(dt, tx, ty, False, running)
+                kernel_variant(dt, tx, ty, False, running, opts=options)
 
 
 def auto_method(p, base: int) -> str:
