@@ -69,16 +69,15 @@ __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method
 from bakron.solvers.engines import (COUNT_NONFINITE, FACTOR_SCAN, INPUT_CHECKS, SOLVE_STACK,
                                     STACK_CHECKS, STACK_METHOD, UNIFORM_FUSED, Capabilities,
                                     EngineResult)
-from bakron.solvers.options import CudaOptions, defaults
+from bakron.solvers.options import CudaOptions, defaults  # noqa: F401
 
 from . import _cuda_methods as _methods
-from ._cuda_plans import _PLANS
-from ._cuda_runtime import (_MAXGRID, SIM, _check_context, _cuda, _cupy, _DeviceSolve, _local,
-                            grid_key, kernel_variant, launch_mode, per_thread)
-
-#: the runtime's names that the GPU benchmark, the scripts and the tests read here (the plan
-#: and grid caches, the kernel variants under options)
-INTERNALS = (_PLANS, _MAXGRID, _local, grid_key, launch_mode, per_thread, defaults)
+# also read here by the GPU benchmark, the scripts and the tests: the plan and grid caches,
+# the kernel variants under options
+from ._cuda_plans import _PLANS  # noqa: F401
+from ._cuda_runtime import (_MAXGRID, SIM, _check_context, _cuda, _cupy,  # noqa: F401
+                            _DeviceSolve, _local, grid_key, kernel_variant, launch_mode,
+                            per_thread)
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
 #: (the recursion's base, the wavefront's coarse block). Measured: docs/benchmarks/h200.md.
