@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "another bakron driver), 4 missing component, "
                 "5 output not written (I/O error), 130 interrupted.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = p.add_subparsers(dest="command", metavar="{demo,quantize,quantize-model,bench}",
+    sub = p.add_subparsers(dest="command", metavar="{demo,quantize,quantize-model,evaluate,bench}",
                            parser_class=_Parser)
 
     d = sub.add_parser("demo", help="run a built-in demo end to end and write a report",
@@ -309,6 +309,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start a local Dask cluster of one worker per GPU (the first N "
                             "visible) for the solves (needs bakron[dask])")
     qm.set_defaults(func=_cmd_quantize_model)
+
+    ev = sub.add_parser(
+        "evaluate", help="KL of a quantized causal LM to its original on held-out text",
+        description="The mean per-token KL(original || quantized) of the next-token "
+        "distributions, with its standard error over texts, the perplexity and the top-1 "
+        "agreement, on the first Lee news documents and on held-out sentences of the Python "
+        "Language Reference (the demo's evaluation texts).")
+    ev.add_argument("quantized", metavar="QUANTIZED", nargs="+",
+                    help="quantized model(s): a folder written by quantize-model --format "
+                         "float or gptq, or a GGUF file")
+    ev.add_argument("--reference", required=True, metavar="MODEL",
+                    help="the original: smollm2, a .gguf file or a Hugging Face folder")
+    ev.add_argument("--json", metavar="FILE", default=None,
+                    help="also write the figures to FILE (JSON)")
+    ev.set_defaults(func=_cmd_evaluate)
 
     b = sub.add_parser("bench", help="benchmark methods x sizes on this machine (forwards "
                        "its arguments to bakron.bench)", add_help=False)
@@ -520,6 +535,45 @@ def _cmd_quantize_model(args) -> int:
     if not args.quiet:
         print(f"bakron quantize-model: {len(res['layers'])} layers ({res['resumed']} resumed) "
               f"in {time.perf_counter() - t0:.1f} s; wrote {res['out']}")
+    return EXIT_OK
+
+
+# -- evaluate --------------------------------------------------------------------------------
+
+def _cmd_evaluate(args) -> int:
+    """``bakron evaluate``: see :mod:`bakron.models.llm.evaluation`."""
+    from .models.llm import ChecksumError, ModelUnavailableError
+    from .models.llm.evaluation import compare, evaluation_texts
+
+    try:
+        from .models import load_llm
+
+        ref = load_llm(args.reference)
+        texts = evaluation_texts(ref)
+        models = {}
+        for path in args.quantized:
+            if not os.path.exists(path):
+                raise UsageError(f"{path}: no such file or folder (a quantized model)")
+            models[path] = load_llm(path)
+    except (ModelUnavailableError, ChecksumError) as exc:
+        raise Unavailable(f"the model is not available: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    res = compare(ref, models, texts=texts)
+    if "lee_error" in res:
+        _err(f"bakron evaluate: the Lee corpus is unavailable ({res['lee_error']}); held-out "
+             f"documents only")
+    for key, src in res["sources"].items():
+        print(f"{key}: {src}; original perplexity {res['original'][key]['perplexity']:.3f}")
+    print(f"{'model':40s} {'set':5s} {'KL':>8s} {'s.e.':>7s} {'ppl':>8s} {'top-1':>6s}")
+    for label, sets in res["models"].items():
+        for key, e in sets.items():
+            print(f"{label[-40:]:40s} {key:5s} {e['kl']:8.4f} {e['kl_text_sem']:7.4f} "
+                  f"{e['perplexity']:8.3f} {e['top1_agreement']:6.3f}")
+    if args.json:
+        from ._lib.fs import atomic_write_json
+
+        atomic_write_json(args.json, res)
     return EXIT_OK
 
 

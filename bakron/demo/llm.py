@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .._validate import check_bits_list, check_int
+from ..models.llm.evaluation import EvalSet as _EvalSet, evaluate, sem
 from ._common import Clock, PeakMemory, ProxyPairs, blas_limit, log, md_table, namespace, png, \
     prepare_cached, warm_up
 
@@ -79,37 +80,6 @@ def _codes_u8(xp, codes, quantizer):
 
 # -- forward and evaluation ---------------------------------------------------------------------
 
-def _hidden(xp, stages, ids):
-    """The chain's output before the head: final-norm hidden states (B, T, d)."""
-    h = ids
-    for st in stages[:-1]:
-        h = st.forward(xp, h)
-    return h
-
-
-class _EvalSet:
-    """Right-padded evaluation batches and, per batch, the real rows, their next tokens and
-    the text each row belongs to."""
-
-    def __init__(self, xp, seqs, batch_size, device):
-        from ..hessian import pad_batches
-
-        self.batches, order = pad_batches(seqs, batch_size=batch_size, xp=xp, device=device)
-        self.rows, self.labels, self.text_of = [], [], []
-        for b, rows in zip(self.batches, order):
-            ids = np.asarray(_to_np(b))
-            mask = ids >= 0
-            nxt = np.full_like(ids, -1)
-            nxt[:, :-1] = ids[:, 1:]
-            flat = mask.reshape(-1)
-            self.rows.append(xp.asarray(np.nonzero(flat)[0], device=device))
-            self.labels.append(nxt.reshape(-1)[flat])
-            self.text_of.append(np.repeat(np.asarray(rows), mask.sum(axis=1)))
-        self.n_texts = len(seqs)
-        self.tokens = int(sum(len(s) for s in seqs))
-        self.predicted = int(sum(len(s) - 1 for s in seqs))
-
-
 def _proxy_bits(proxies, bits):
     if proxies is False or proxies is None:
         return None
@@ -121,80 +91,7 @@ def _proxy_bits(proxies, bits):
     return proxies
 
 
-def _sem(x) -> float:
-    """Standard error of the mean of ``x`` (NaN for fewer than 2 values)."""
-    x = np.asarray(x, dtype=np.float64)
-    return float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else float("nan")
-
-
-def _to_np(a):
-    from .. import _xp
-
-    return _xp.to_numpy(a)
-
-
-def _real_rows(xp, z, rows):
-    d = z.shape[-1]
-    return xp.take(xp.reshape(z, (-1, d)), rows, axis=0)
-
-
-def _log_softmax64(xp, logits):
-    a = xp.astype(logits, xp.float64)
-    a = a - xp.max(a, axis=-1, keepdims=True)
-    return a - xp.log(xp.sum(xp.exp(a), axis=-1, keepdims=True))
-
-
-def evaluate(xp, stages, W_out, data: _EvalSet, reference=None, *, chunk: int = 128):
-    """Run ``stages`` on the evaluation set.
-
-    Without ``reference``: returns the reference (the real rows' hidden states per batch) and
-    the figures of this model (NLL, perplexity). With ``reference`` (the original model's):
-    also the mean per-token KL(original ‖ this model) over every real position, per-text mean
-    KL (for the standard error), and the top-1 agreement with the original.
-    Log-softmax in float64 over the vocabulary, ``chunk`` positions at a time.
-    """
-    from .. import _xp
-
-    dev = _xp.device(W_out)
-    kl_sum = nll_sum = 0.0
-    agree = n_rows = n_pred = 0
-    per_text_kl = np.zeros(data.n_texts)
-    per_text_n = np.zeros(data.n_texts)
-    hidden = []
-    for k, ids in enumerate(data.batches):
-        z = _real_rows(xp, _hidden(xp, stages, ids), data.rows[k])
-        hidden.append(z)
-        labels = data.labels[k]
-        for s in range(0, z.shape[0], chunk):
-            e = min(z.shape[0], s + chunk)
-            lq = _log_softmax64(xp, z[s:e, ...] @ W_out.T)
-            y = labels[s:e]
-            has = np.nonzero(y >= 0)[0]
-            if has.size:
-                V = lq.shape[-1]
-                flat = xp.asarray(has * V + y[has], device=dev)
-                nll_sum -= float(xp.sum(xp.take(xp.reshape(lq, (-1,)), flat)))
-                n_pred += int(has.size)
-            if reference is not None:
-                lo = _log_softmax64(xp, reference[k][s:e, ...] @ W_out.T)
-                kl = _to_np(xp.sum(xp.exp(lo) * (lo - lq), axis=-1))
-                kl_sum += float(kl.sum())
-                np.add.at(per_text_kl, data.text_of[k][s:e], kl)
-                np.add.at(per_text_n, data.text_of[k][s:e], 1)
-                agree += int(xp.sum(xp.astype(xp.argmax(lo, axis=-1) == xp.argmax(lq, axis=-1),
-                                              xp.int64)))
-                del lo
-            del lq
-            n_rows += e - s
-    _xp.sync(xp)
-    out = {"nll": nll_sum / max(n_pred, 1), "predicted_tokens": n_pred, "positions": n_rows}
-    out["perplexity"] = math.exp(out["nll"])
-    if reference is None:
-        return out, hidden
-    per_text = per_text_kl / np.maximum(per_text_n, 1)
-    out.update(kl=kl_sum / n_rows, kl_text_sem=_sem(per_text), kl_per_text=per_text.tolist(),
-               top1_agreement=agree / n_rows)
-    return out, None
+_sem = sem
 
 
 # -- the run ------------------------------------------------------------------------------------
