@@ -166,6 +166,20 @@ def _bytes(text: str) -> int:
     return int(v)
 
 
+def _damp_or_auto(text: str):
+    return "auto" if text == "auto" else _damp(text)
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return v
+
+
 def _damp(text: str) -> float:
     try:
         v = float(text)
@@ -296,6 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="asymmetric gptq/float grid (zero points)")
     qm.add_argument("--damp", type=_damp, default=0.01,
                     help="relative damping of the factors (default 0.01)")
+    qm.add_argument("--damp-out", type=_damp_or_auto, default="auto", metavar="auto|D",
+                    help="regularisation of a global H_out: auto (default) shrinks it toward "
+                         "its diagonal and damps it by a rule of its width over the "
+                         "calibration tokens (docs/hessian.md); a number is its relative "
+                         "damping alone")
+    qm.add_argument("--shrink-out", type=_fraction, default=None, metavar="S",
+                    help="with a numeric --damp-out: shrink a global H_out toward its "
+                         "diagonal, (1-S) H_out + S diag(H_out), S in [0, 1] (default 0)")
     qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
                     help="where the model and the solves run (default cpu, gpu with --gpus; "
                          "auto uses a GPU when cupy sees one)")
@@ -512,7 +534,8 @@ def _cmd_quantize_model(args) -> int:
                                 bits=args.bits, group_size=args.group_size, sym=args.sym,
                                 calib=args.calib, calib_seqs=args.calib_seqs,
                                 calib_len=args.calib_len, memory_budget=args.memory_budget,
-                                device=device, damp=args.damp, progress=not args.quiet,
+                                device=device, damp=args.damp, damp_out=args.damp_out,
+                                shrink_out=args.shrink_out, progress=not args.quiet,
                                 scheduler=args.scheduler, gpus=args.gpus)
     except ClusterUnavailable as exc:
         raise Unavailable(str(exc)) from None

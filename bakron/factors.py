@@ -245,11 +245,11 @@ def auto_regularization(width: int, tokens: int) -> tuple[float, float]:
     return min(1.0, AUTO_SHRINK_PER_WIDTH * width / tokens), 0.01
 
 
-def check_shrink(shrink) -> float:
+def check_shrink(shrink, name: str = "shrink") -> float:
     """``shrink`` as a float in [0, 1], or ``ValueError`` naming it."""
     if isinstance(shrink, bool) or not isinstance(shrink, (int, float)) \
             or not 0.0 <= float(shrink) <= 1.0:
-        raise ValueError(f"shrink must be a number in [0, 1], got {shrink!r}")
+        raise ValueError(f"{name} must be a number in [0, 1], got {shrink!r}")
     return float(shrink)
 
 

@@ -221,7 +221,7 @@ def _prepare(W, H_in, H_out, *, quantizer, bits, tile, damp, symmetric, granular
     tx, ty = check_tile(tile, m, n)
     damp = check_damp(damp)
     damp_out = damp if damp_out is None else check_damp(damp_out)
-    shrink_out = check_shrink(shrink_out)
+    shrink_out = check_shrink(shrink_out, "shrink_out")
     if quantizer is None:
         if bits is None:
             raise ValueError("give either quantizer= or bits=")
