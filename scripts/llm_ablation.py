@@ -53,28 +53,32 @@ def collect(args):
             "draws": args.draws, "folds": [f.tolist() for f in folds], "seconds": {}}
     labels = None if args.labels == "sample" else "true"
     for k, idx in enumerate(folds):
+        if args.only_fold is not None and k != args.only_fold:
+            continue
         fdir = out / f"fold{k}"
         fdir.mkdir(exist_ok=True)
         t0 = time.perf_counter()
         batches, _ = pad_batches([seqs[i] for i in idx], batch_size=8, xp=xp)
         for d in range(args.draws):
-            kf: dict = {}
-
-            def kfac(name, H_in, H_out):
-                kf[name] = (np.asarray(H_in, np.float32), np.asarray(H_out, np.float32))
+            def kfac(name, H_in, H_out, d=d):   # written at once: nothing held in memory
+                np.savez(fdir / f"{name}.k{d}.npz", kin=np.asarray(H_in, np.float32),
+                         kout=np.asarray(H_out, np.float32))
 
             def sink(name, H_in, H_out, d=d):
-                kin, kout = kf.pop(name)
+                with np.load(fdir / f"{name}.k{d}.npz") as z:
+                    kin, kout = z["kin"], z["kout"]
                 np.savez(fdir / f"{name}.d{d}.npz", kin=kin, kout=kout,
                          **{"in": np.asarray(H_in, np.float32),
                             "out": np.asarray(H_out, np.float32)})
+                (fdir / f"{name}.k{d}.npz").unlink()
 
             global_factors(lm.stages(labels), batches, refine_iters=1, refine="sequence",
                            seed=1000 * k + d, sink=sink, kfac_sink=kfac,
-                           )
+                           accum_dtype=np.float32)
             print(f"fold {k} draw {d}: {time.perf_counter() - t0:.0f} s", flush=True)
         meta["seconds"][f"fold{k}"] = time.perf_counter() - t0
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    name = "meta.json" if args.only_fold is None else f"meta-fold{args.only_fold}.json"
+    (out / name).write_text(json.dumps(meta, indent=1))
     print(json.dumps(meta["seconds"]))
 
 
@@ -167,16 +171,16 @@ def run(args):
         F = full_factors(fold_factors(args.factors, name))
         for v in args.variants:
             for b in args.bits:
-                t = time.perf_counter()
+                t = time.process_time()
                 W_hat[(v, b)][name] = solve_variant(W, F, b, VARIANTS[v], tokens)
-                secs[(v, b)] += time.perf_counter() - t
+                secs[(v, b)] += time.process_time() - t
         if i % 21 == 0:
             print(f"{i}/{len(names)} layers, {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     for (v, b), weights in W_hat.items():
         t = time.perf_counter()
         figs = ref.score(lm.with_weights(weights))
-        row = {"variant": v, "bits": b, "solve_seconds": secs[(v, b)],
+        row = {"variant": v, "bits": b, "solve_cpu": secs[(v, b)], "solve_seconds": secs[(v, b)],
                "eval_seconds": time.perf_counter() - t, "tokens": tokens,
                "factors": str(args.factors), "layers": len(names),
                **{f"{k}_{m}": figs[k][m] for k in figs for m in ("kl", "kl_text_sem",
@@ -238,9 +242,35 @@ def cv(args):
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     Path(args.out).write_text(json.dumps(rows))
     summarize_cv(rows)
+    summarize_kinds(rows)
 
 
-def summarize_cv(rows):
+def summarize_cv(rows, cs=(0.25, 0.5, 1, 2, 4, 8)):
+    """Per layer kind, the held-out proxy of each candidate relative to LDLQ's; then, for the
+    rule shrink = min(1, c m / tokens) (the nearest shrinkage candidate), the geometric mean
+    over all layers of the held-out proxy relative to LDLQ's, for each c."""
+    import collections
+
+    grid = sorted({int(r["cand"][1:]) for r in rows if r["cand"].startswith("s")})
+    per = collections.defaultdict(dict)
+    for r in rows:
+        per[(r["layer"], r["bits"], r["train"])][r["cand"]] = r
+    for b in sorted({r["bits"] for r in rows}):
+        print(f"\n{b} bits: rule shrink = min(1, c * width / fold tokens)")
+        for c in cs:
+            logs = []
+            for (layer, bb, tr), d in per.items():
+                if bb != b:
+                    continue
+                any_r = next(iter(d.values()))
+                a = min(1.0, c * any_r["m"] / any_r["tokens"]) * 100
+                pick = min(grid, key=lambda g: abs(g - a))
+                logs.append(np.log(d[f"s{pick}"]["test_proxy"] / d["ldlq"]["test_proxy"]))
+            print(f"  c = {c:5}: held-out proxy / LDLQ's = {np.exp(np.mean(logs)):.3f} "
+                  f"(geometric mean over {len(logs)} layer-folds)")
+
+
+def summarize_kinds(rows):
     import collections
 
     by = collections.defaultdict(dict)
@@ -261,6 +291,28 @@ def summarize_cv(rows):
                 f"{np.exp(np.mean(np.log(agg[(k, b, c)]))):7.3f}" for c in cands))
 
 
+def table(args):
+    """The markdown table of the result rows (docs/llm.md, "Ablation")."""
+    rows = []
+    for f in args.results:
+        rows += json.loads(Path(f).read_text())
+    ref = {(r["bits"]): r for r in rows if r["variant"] == "ldlq"}
+    print("| bits | method | Lee news KL ± s.e. | ÷ LDLQ | held-out docs KL ± s.e. | ÷ LDLQ "
+          "| solve CPU (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["bits"], r["variant"])):
+        cells = []
+        for k in ("lee", "docs"):
+            if f"{k}_kl" not in r:
+                cells += ["", ""]
+                continue
+            cells.append(f"{r[f'{k}_kl']:.3f} ± {r[f'{k}_kl_text_sem']:.3f}")
+            base = ref.get(r["bits"])
+            cells.append(f"{r[f'{k}_kl'] / base[f'{k}_kl']:.2f}" if base else "")
+        print(f"| {r['bits']} | {r['variant']} | " + " | ".join(cells)
+              + f" | {r.get('solve_cpu', r['solve_seconds']):.0f} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -271,6 +323,8 @@ def main(argv=None):
     c.add_argument("--seqs", type=int, default=32)
     c.add_argument("--seq-len", type=int, default=128)
     c.add_argument("--folds", type=int, default=2)
+    c.add_argument("--only-fold", type=int, default=None, help="collect this fold alone (folds "
+                   "run as separate processes)")
     r = sub.add_parser("run")
     r.add_argument("--factors", required=True)
     r.add_argument("--variants", nargs="+", choices=list(VARIANTS), required=True)
@@ -282,10 +336,19 @@ def main(argv=None):
     v.add_argument("--blocks", default="0,5,10,15,20,25,29")
     v.add_argument("--bits", nargs="+", type=int, default=[3])
     v.add_argument("--shrinks", nargs="+", type=int, default=[0, 25, 50, 75, 90])
-    v.add_argument("--damps", nargs="+", type=int, default=[10, 30, 100])
+    v.add_argument("--damps", nargs="*", type=int, default=[100])
     v.add_argument("--out", required=True)
+    s = sub.add_parser("cv-summary")
+    s.add_argument("results", nargs="+")
+    t = sub.add_parser("table")
+    t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
-    {"collect": collect, "run": run, "cv": cv}[args.cmd](args)
+    if args.cmd == "cv-summary":
+        rows = [r for f in args.results for r in json.loads(Path(f).read_text())]
+        summarize_cv(rows)
+        summarize_kinds(rows)
+        return
+    {"collect": collect, "run": run, "cv": cv, "table": table}[args.cmd](args)
 
 
 if __name__ == "__main__":

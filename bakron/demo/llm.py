@@ -101,7 +101,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         layers=None, n_calibration: int | None = None, n_heldout: int | None = None,
         max_tokens: int | None = None, lee: bool | None = None, n_indomain: int = 24,
         group_size: int = 64,
-        tile=None, damp: float = 0.01, refine_iters: int = 1, refine: str = "sequence",
+        tile=None, damp: float = 0.01, damp_out="auto", refine_iters: int = 1, refine: str = "sequence",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
         blas_threads: int | None = 1) -> dict:
@@ -149,7 +149,12 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
     tile : (int, int), optional
         Solver tile; default ``(1, 1)`` with a compiled engine, else ``(16, 16)``.
     damp : float
-        Relative damping of every factor.
+        Relative damping of every factor (of ``H_in`` only, unless ``damp_out`` is a number).
+    damp_out : "auto" or float
+        Regularisation of the global ``H_out`` of the two-sided methods: ``"auto"`` shrinks it
+        toward its diagonal and damps it per layer from its width over the calibration tokens
+        (:func:`bakron.factors.auto_regularization`, the rule of ``bakron quantize-model``); a
+        number is its relative damping alone.
     refine_iters, refine
         Power-iteration steps of the global factors (:func:`bakron.hessian.global_factors`);
         ``refine_iters=0`` keeps the K-FAC factors, whose ``H_in`` is the local one, so that
@@ -202,6 +207,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         raise ValueError(f"refine must be 'token' or 'sequence', got {refine!r}")
     if not damp >= 0:
         raise ValueError(f"damp must be >= 0, got {damp!r}")
+    if damp_out != "auto" and (isinstance(damp_out, (str, bool)) or not damp_out >= 0):
+        raise ValueError(f"damp_out must be 'auto' or a number >= 0, got {damp_out!r}")
     if tile is not None:
         tile = (int(tile), int(tile)) if isinstance(tile, int) else (int(tile[0]), int(tile[1]))
         if min(tile) < 1:
@@ -211,7 +218,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
                     progress=progress, methods=methods, layers=layers,
                     n_calibration=n_calibration, n_heldout=n_heldout, max_tokens=max_tokens,
                     lee=lee, n_indomain=n_indomain, group_size=group_size, tile=tile,
-                    damp=damp,
+                    damp=damp, damp_out=damp_out,
                     refine_iters=refine_iters, refine=refine, budget_bytes=budget_bytes,
                     batch_size=batch_size, cache=cache, wheel=wheel, seed=seed,
                     accum_dtype=accum_dtype,
@@ -323,6 +330,7 @@ class _Run:
             raise ValueError(f"a text has {longest} tokens, more than the model's context of "
                              f"{ctx}")
         self.n_cal_texts, self.n_eval_texts = len(self.cal_seqs), len(eval_seqs)
+        self.cal_tokens = int(sum(map(len, self.cal_seqs)))
         self.max_tok = max_tok
         dev = _device_of(self.lm)
         self.data = _EvalSet(xp, eval_seqs, self.batch_size, dev)
@@ -422,6 +430,17 @@ class _Run:
         log(self.progress, "      " + str(rep).replace("\n", "\n      "))
         self.local_in.clear()
 
+    def _out_reg(self, Ho):
+        """(damping, key, shrink) of an output factor for :func:`prepare_cached`."""
+        if Ho is None:
+            return self.damp, None, 0.0
+        if self.damp_out == "auto":
+            from ..factors import auto_regularization
+
+            shrink, d = auto_regularization(Ho.shape[0], self.cal_tokens)
+            return d, None, shrink
+        return float(self.damp_out), None, 0.0
+
     def _quantize_layer(self, name, H_loc, H_g, Ho_g):
         from .. import UniformQuantizer, _xp, solve
 
@@ -442,7 +461,7 @@ class _Run:
             Hi, Ho = pairs[meth]
             new = [(id(H), blk) not in fc for H, blk in ((Hi, tile[1]), (Ho, tile[0]))]
             _, ti, di = prepare_cached(fc, Hi, tile[1], self.damp)
-            _, to, do = prepare_cached(fc, Ho, tile[0], self.damp)
+            _, to, do = prepare_cached(fc, Ho, tile[0], *self._out_reg(Ho))
             row["factor_seconds"][meth] = ti * new[0] + to * new[1]   # each matrix counted once
             row["damp"][meth] = {"in": di, "out": do}
         for k, v in fc.items():
@@ -469,7 +488,7 @@ class _Run:
                         figs[meth] = dict(figs[first], same_as=first)
                         continue
                     A_in = prepare_cached(fc, Hi, tile[1], self.damp)[0]
-                    A_out = prepare_cached(fc, Ho, tile[0], self.damp)[0]
+                    A_out = prepare_cached(fc, Ho, tile[0], *self._out_reg(Ho))[0]
                     res = solve(W, A_out, A_in, qz, tile=tile, engine=self.engine_arg)
                     values, codes = res.values, res.codes
                     info = {"seconds_solve": res.seconds, "method": res.method,
@@ -538,7 +557,7 @@ class _Run:
             "model": self.model_name, "device": self.dev, "bits": list(self.bits),
             "methods": list(self.methods), "quick": bool(self.quick),
             "tile": list(self.tile), "engine": self.engine, "engine_note": self.engine_note,
-            "damp": self.damp,
+            "damp": self.damp, "damp_out": self.damp_out,
             "grid": {"symmetric": False, "scale": "minmax", "group_size": self.group_size},
             "refine_iters": self.refine_iters, "refine": self.refine,
             "proxy_bits": self.proxy_bits,
@@ -688,7 +707,11 @@ def _markdown(res: dict) -> str:
         f"with a scale and zero point per group of {res['grid']['group_size']} inputs, fitted "
         f"to W by min/max (no clipping). Tile {res['tile'][0]}×{res['tile'][1]} (engine "
         f"{res['engine']}" + (f"; {res['engine_note']}" if res.get("engine_note") else "")
-        + f"), damping {res['damp']}.",
+        + f"), damping {res['damp']}"
+        + (f"; the global H_out of the two-sided methods shrunk toward its diagonal and damped "
+           f"by the rule of its width over the calibration tokens (damp_out='auto')"
+           if res.get("damp_out", "auto") == "auto" else
+           f"; H_out damped {res['damp_out']}") + ".",
         "",
         f"Calibration: {d['calibration_texts']} {d['calibration_source']} "
         f"({d['calibration_tokens']} tokens). Global factors: the Fisher of the KL to the "
