@@ -84,19 +84,32 @@ def collect(args):
 
 # -- factors from the cache ---------------------------------------------------------------------
 
-def fold_factors(root, name):
-    """``{fold: {"kin", "kout", "in", "out": float64 array}}`` (draws averaged)."""
+def _wait_load(f, wait):
+    """The arrays of ``f``; with ``wait``, waits for a collection still writing it."""
+    while True:
+        try:
+            if f.exists() and time.time() - f.stat().st_mtime > 5:
+                with np.load(f) as z:
+                    return {k: z[k] for k in z.files}
+        except (OSError, ValueError, EOFError):
+            pass
+        if not wait:
+            raise FileNotFoundError(f)
+        time.sleep(10)
+
+
+def fold_factors(root, name, wait=False):
+    """``{fold: {"kin", "kout", "in", "out": float64 array}}`` (draws averaged); with
+    ``wait``, waits for the collection to write them."""
     root = Path(root)
     out = {}
+    meta = json.loads((root / "meta.json").read_text())
     for fdir in sorted(root.glob("fold*")):
-        files = sorted(fdir.glob(f"{name}.d*.npz"))
-        if not files:
-            raise FileNotFoundError(f"{fdir}: no factors of {name}")
         acc = {}
-        for f in files:
-            with np.load(f) as z:
-                for k in z.files:
-                    acc[k] = acc.get(k, 0) + z[k].astype(np.float64) / len(files)
+        for d in range(meta.get("draws", 1)):
+            z = _wait_load(fdir / f"{name}.d{d}.npz", wait)
+            for k, v in z.items():
+                acc[k] = acc.get(k, 0) + v.astype(np.float64) / meta.get("draws", 1)
         out[fdir.name] = acc
     return out
 
@@ -168,7 +181,7 @@ def run(args):
     t0 = time.perf_counter()
     for i, name in enumerate(names):
         W = np.asarray(lm.linear_weight(name), np.float32)
-        F = full_factors(fold_factors(args.factors, name))
+        F = full_factors(fold_factors(args.factors, name, wait=True))
         for v in args.variants:
             for b in args.bits:
                 t = time.process_time()
@@ -209,7 +222,7 @@ def cv(args):
 
     xp, lm = _load()
     meta = json.loads((Path(args.factors) / "meta.json").read_text())
-    fold_tokens = meta["tokens"] // len(meta["folds"])
+    fold_tokens = meta["tokens"] // len(list(Path(args.factors).glob("fold*")))
     names = [n for n in lm.linear_names() if int(n.split(".")[1]) in
              {int(b) for b in args.blocks.split(",")}]
     cands = [("ldlq", None, None)] + [(f"s{a}", a, None) for a in args.shrinks] + \
@@ -218,7 +231,7 @@ def cv(args):
     t0 = time.perf_counter()
     for name in names:
         W = np.asarray(lm.linear_weight(name), np.float32)
-        folds = fold_factors(args.factors, name)
+        folds = fold_factors(args.factors, name, wait=True)
         keys = sorted(folds)
         for b in args.bits:
             q = grid_of(W, b)
