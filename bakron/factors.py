@@ -227,7 +227,7 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
 
 
 #: ``auto_regularization``'s constant: shrink = min(1, AUTO_SHRINK_PER_WIDTH * width / tokens)
-AUTO_SHRINK_PER_WIDTH = 2.0
+AUTO_SHRINK_PER_WIDTH = 1.0
 
 
 def auto_regularization(width: int, tokens: int) -> tuple[float, float]:

@@ -1,18 +1,29 @@
-"""The two-sided vs one-sided ablation on SmolLM2 (docs/llm.md, "Ablation").
+"""The two-sided vs one-sided ablation on SmolLM2 (docs/llm.md, "Two-sided against one-sided";
+docs/hessian.md, "Regularising H_out").
 
-Two steps, each cached on disk so that many variants are re-solved from one collection:
+Factors are collected once and cached on disk; every variant is re-solved from the cache.
+The tables of the docs were made with (K-FAC factors of the default calibration of
+``bakron quantize-model``, 32 x 128 tokens of the Language Reference, in 8 processes of 4
+sequences each; folds: sequences 0-15 and 16-31):
 
-    python scripts/llm_ablation.py collect --out /tmp/qe/fac-sample [--labels sample|true]
-        [--draws K] [--tokens N]
-    python scripts/llm_ablation.py run --factors /tmp/qe/fac-sample --variants ... --bits 3 4
+    echo '{"tokens": 4096, "parts": {"fold0": [0, 1, 2, 3], "fold1": [4, 5, 6, 7]}}' \
+        > /tmp/qe/kf/meta.json
+    for p in 0 1 2 3 4 5 6 7; do
+        python scripts/llm_ablation.py collect --out /tmp/qe/kf --part $p --parts 8 --folds 2 &
+    done; wait
+    python scripts/llm_ablation.py cv --factors /tmp/qe/kf --blocks 10 --bits 3 \
+        --shrinks 0 50 100 --damps --out cv-b10.json          # and --blocks 20
+    python scripts/llm_ablation.py cv-summary cv-b10.json cv-b20.json
+    python scripts/llm_ablation.py run --factors /tmp/qe/kf --blocks 0,5,10,15,20,25 \
+        --variants rtn ldlq global global-auto --bits 3 4 --out runs.json
+    python scripts/llm_ablation.py table runs.json
 
-``collect`` reproduces the calibration of ``bakron quantize-model`` (the built-in Language
-Reference cut into sequences of 128 tokens, seed 0), split into two folds of consecutive
-sequences (different topics), and stores per fold and per layer the K-FAC and the refined
-(one per-sequence step) factors in float32.  ``run`` rounds every linear layer with each
-variant from the fold-averaged factors (the full-calibration factors: the folds hold equal
-token counts) and measures the KL on the evaluation texts.  ``cv`` scores regularisations
-of H_out by the held-out fold's proxy (calibration data only).
+``collect`` without ``--part`` stores K-FAC and refined (one per-sequence step) factors per
+fold instead. ``run`` rounds the chosen layers (the others stay float32) with each variant
+from the fold-averaged factors (the folds hold equal token counts: their mean is the factor
+of the whole calibration) and measures the KL on the evaluation texts
+(bakron.models.llm.evaluation). ``cv`` scores regularisations of H_out by the held-out fold's
+proxy (calibration data only).
 """
 from __future__ import annotations
 
@@ -52,6 +63,8 @@ def collect(args):
     meta = {"tokens": int(sum(map(len, seqs))), "seqs": len(seqs), "labels": args.labels,
             "draws": args.draws, "folds": [f.tolist() for f in folds], "seconds": {}}
     labels = None if args.labels == "sample" else "true"
+    if args.part is not None:   # one part of a fold (K-FAC only: one pass), its own process
+        return collect_part(args, lm, xp, seqs, labels, out)
     for k, idx in enumerate(folds):
         if args.only_fold is not None and k != args.only_fold:
             continue
@@ -82,6 +95,35 @@ def collect(args):
     print(json.dumps(meta["seconds"]))
 
 
+def collect_part(args, lm, xp, seqs, labels, out):
+    """K-FAC factors (local H_in, K-FAC H_out: one pass) of part ``args.part`` of
+    ``args.parts`` consecutive slices of the calibration sequences, written to
+    ``out/fold{f}/{layer}.p{part}.npz`` (``args.folds`` folds of consecutive parts)."""
+    from bakron.hessian import global_factors, pad_batches
+
+    parts = np.array_split(np.arange(len(seqs)), args.parts)
+    idx = parts[args.part]
+    fold = args.part * args.folds // args.parts
+    fdir = out / f"fold{fold}"
+    fdir.mkdir(exist_ok=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    batches, _ = pad_batches([seqs[i] for i in idx], batch_size=8, xp=xp)
+
+    def sink(name, H_in, H_out):
+        tmp = fdir / f"{name}.p{args.part}.tmp.npz"
+        kin, kout = np.asarray(H_in, np.float32), np.asarray(H_out, np.float32)
+        np.savez(tmp, kin=kin, kout=kout, **{"in": kin, "out": kout})
+        os.replace(tmp, fdir / f"{name}.p{args.part}.npz")
+
+    global_factors(lm.stages(labels), batches, refine_iters=0, seed=args.part, sink=sink,
+                   accum_dtype=np.float32)
+    meta = {"part": args.part, "parts": args.parts, "folds": args.folds, "fold": fold,
+            "seqs": idx.tolist(), "tokens": int(sum(len(seqs[i]) for i in idx)),
+            "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+    (out / f"meta-part{args.part}.json").write_text(json.dumps(meta))
+    print(json.dumps(meta))
+
+
 # -- factors from the cache ---------------------------------------------------------------------
 
 def _wait_load(f, wait):
@@ -106,10 +148,13 @@ def fold_factors(root, name, wait=False):
     meta = json.loads((root / "meta.json").read_text())
     for fdir in sorted(root.glob("fold*")):
         acc = {}
-        for d in range(meta.get("draws", 1)):
-            z = _wait_load(fdir / f"{name}.d{d}.npz", wait)
-            for k, v in z.items():
-                acc[k] = acc.get(k, 0) + v.astype(np.float64) / meta.get("draws", 1)
+        if "parts" in meta:   # equal token counts per part: the mean of the parts
+            files = [fdir / f"{name}.p{p}.npz" for p in meta["parts"][fdir.name]]
+        else:
+            files = [fdir / f"{name}.d{d}.npz" for d in range(meta.get("draws", 1))]
+        for f in files:
+            for k, v in _wait_load(f, wait).items():
+                acc[k] = acc.get(k, 0) + v.astype(np.float64) / len(files)
         out[fdir.name] = acc
     return out
 
@@ -336,6 +381,8 @@ def main(argv=None):
     c.add_argument("--seqs", type=int, default=32)
     c.add_argument("--seq-len", type=int, default=128)
     c.add_argument("--folds", type=int, default=2)
+    c.add_argument("--part", type=int, default=None, help="K-FAC factors of this part alone")
+    c.add_argument("--parts", type=int, default=8)
     c.add_argument("--only-fold", type=int, default=None, help="collect this fold alone (folds "
                    "run as separate processes)")
     r = sub.add_parser("run")
