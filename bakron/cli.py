@@ -285,10 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(packed safetensors) or float (W_hat in the source dtype), both a "
                          "Hugging Face folder; a source of the other kind is converted first "
                          "(default gguf-q4_0)")
-    qm.add_argument("--factors", choices=QM_FACTORS, default="global",
+    qm.add_argument("--factors", choices=QM_FACTORS, default="input",
                     help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in; "
                          "global: two-sided with both factors of the KL-Fisher; "
-                         "input+global-out: local H_in with the global H_out (default global)")
+                         "input+global-out: local H_in with the global H_out (default input: "
+                         "on SmolLM2 two-sided did not beat it, docs/llm.md)")
     qm.add_argument("--calib", default="builtin", metavar="FILE|builtin",
                     help="calibration text: builtin (the Python Language Reference of the "
                          "stdlib) or a UTF-8 file, one document per paragraph")

@@ -266,7 +266,7 @@ def _run_key(lm, source, grid, factors, options, calib_seqs) -> str:
     return h.hexdigest()
 
 
-def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global",
+def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input",
                    bits: int | None = None, group_size: int | None = None,
                    sym: bool | None = None, calib="builtin", calib_seqs: int = 32,
                    calib_len: int = 128, memory_budget: int | None = None,
@@ -288,6 +288,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         exist. Its work folder ``OUT.work`` holds the finished layers until the end.
     fmt : {"gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float"}
     factors : {"rtn", "input", "global", "input+global-out"}
+        Default ``"input"`` (one-sided LDLQ): on SmolLM2 the two-sided rounding, even with
+        ``damp_out="auto"``, did not beat it on held-out text (docs/llm.md, "Two-sided
+        against one-sided"), and it needs one Hessian pass instead of three.
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
         of 128, symmetric. The GGUF formats fix their grid (giving another is an error).

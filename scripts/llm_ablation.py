@@ -7,14 +7,14 @@ The tables of the docs were made with (K-FAC factors of the default calibration 
 sequences each; folds: sequences 0-15 and 16-31):
 
     echo '{"tokens": 4096, "parts": {"fold0": [0, 1, 2, 3], "fold1": [4, 5, 6, 7]}}' \
-        > /tmp/qe/kf/meta.json
+        > kfac-cache/meta.json
     for p in 0 1 2 3 4 5 6 7; do
-        python scripts/llm_ablation.py collect --out /tmp/qe/kf --part $p --parts 8 --folds 2 &
+        python scripts/llm_ablation.py collect --out kfac-cache --part $p --parts 8 --folds 2 &
     done; wait
-    python scripts/llm_ablation.py cv --factors /tmp/qe/kf --blocks 10 --bits 3 \
+    python scripts/llm_ablation.py cv --factors kfac-cache --blocks 10 --bits 3 \
         --shrinks 0 50 100 --damps --out cv-b10.json          # and --blocks 20
     python scripts/llm_ablation.py cv-summary cv-b10.json cv-b20.json
-    python scripts/llm_ablation.py run --factors /tmp/qe/kf --blocks 0,5,10,15,20,25 \
+    python scripts/llm_ablation.py run --factors kfac-cache --blocks 0,5,10,15,20,25 \
         --variants rtn ldlq global global-auto --bits 3 4 --out runs.json
     python scripts/llm_ablation.py table runs.json
 
