@@ -515,12 +515,12 @@ def _left_on_disk(work: Path, exc: BaseException) -> None:
     exc.add_note(note)
 
 
-def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global",
+def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input",
                    bits: int | None = None, group_size: int | None = None,
                    sym: bool | None = None, calib="builtin", calib_seqs: int = 32,
                    calib_len: int = 128, memory_budget: int | None = None,
                    device: str | None = None, tile=(16, 16), damp: float = 0.01,
-                   seed: int = 0, batch_size: int = 8, cache=None, wheel=None,
+                   damp_out="auto", shrink_out: float | None = None, seed: int = 0, batch_size: int = 8, cache=None, wheel=None,
                    progress: bool = True, keep_weights: bool = False,
                    scheduler: str | None = None, gpus: int | None = None, client=None,
                    retries: int = 2, _after_layer=None, incoherence: int | None = None) -> dict:
@@ -537,6 +537,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         exist. Its work folder ``OUT.work`` holds the finished layers until the end.
     fmt : {"gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float"}
     factors : {"rtn", "input", "global", "input+global-out"}
+        Default ``"input"`` (one-sided LDLQ): on SmolLM2 the two-sided rounding, even with
+        ``damp_out="auto"``, did not beat it on held-out text (docs/llm.md, "Two-sided
+        against one-sided"), and it needs one Hessian pass instead of three.
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
         of 128, symmetric. The GGUF formats fix their grid (giving another is an error).
@@ -556,6 +559,13 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         with ``gpus``, else ``"cpu"``. ``"cpu"`` with ``gpus`` is an error.
     tile, damp
         Solver tile and relative damping (:func:`bakron.quantize_layer`).
+    damp_out, shrink_out
+        Regularisation of a global ``H_out`` (``factors`` ``global`` and ``input+global-out``):
+        ``"auto"`` (default) sets its shrinkage toward the diagonal and its damping per layer
+        from its width and the calibration token count
+        (:func:`bakron.factors.auto_regularization`, chosen on held-out calibration folds;
+        docs/hessian.md); a number is its relative damping, with ``shrink_out`` (default 0)
+        its shrinkage.
     seed : int
         Seed of the labels drawn for the Fisher.
     batch_size : int
@@ -625,6 +635,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     tile = tuple(_checked(check_int, t, "tile", minimum=1, what="a pair of positive integers")
                  for t in tile)
     damp = _checked(check_damp, damp, "damp")
+    solve_settings = _out_settings(damp, damp_out, shrink_out)
     if gpus is not None:
         gpus = _checked(check_int, gpus, "gpus", minimum=1)
     if sum(x is not None for x in (scheduler, gpus, client)) > 1:
@@ -718,7 +729,10 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         t0 = time.perf_counter()
         model_hash, layer_hashes = _fingerprint(lm)
         seconds["hash"] = time.perf_counter() - t0
+        if solve_settings.get("out") == "auto":
+            solve_settings["tokens"] = int(sum(map(len, seqs)))
         options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
+                   **({} if factors in ("rtn", "input") else {"h_out": solve_settings}),
                    "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
         if incoherence is not None:
             options["incoherence"] = incoherence
@@ -790,11 +804,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                 t = time.perf_counter()
                 values = _solve_and_publish(work, name, layer_key(name),
                                             lm.linear_weight(name), H_in, H_out, grid, tile,
-                                            damp, incoherence=incoherence)
+                                            solve_settings, incoherence=incoherence)
                 published(name, time.perf_counter() - t, values)
 
             if solves is not None:
-                solves.start(str(work), grid=grid, tile=tile, damp=damp, on_done=published)
+                solves.start(str(work), grid=grid, tile=tile, damp=solve_settings,
+                             on_done=published)
 
             t0 = time.perf_counter()
             report = None
@@ -866,11 +881,47 @@ def _rotation(W, incoherence):
     return Incoherence(*W.shape, seed=incoherence)
 
 
+def _out_settings(damp, damp_out, shrink_out) -> dict:
+    """The solve settings: ``{"damp"}`` plus ``{"out": "auto"}`` or ``{"damp_out",
+    "shrink_out"}`` (``InputError`` naming a bad value)."""
+    from .factors import check_shrink
+
+    if isinstance(damp_out, str):
+        if damp_out != "auto":
+            raise InputError(f"damp_out must be 'auto' or a number >= 0, got {damp_out!r}")
+        if shrink_out is not None:
+            raise InputError("shrink_out is set by damp_out='auto'; give a number as damp_out "
+                             "to set shrink_out yourself")
+        return {"damp": float(damp), "out": "auto"}
+    damp_out = _checked(check_damp, damp_out, "damp_out")
+    shrink_out = 0.0 if shrink_out is None else _checked(check_shrink, shrink_out, "shrink_out")
+    return {"damp": float(damp), "damp_out": float(damp_out), "shrink_out": float(shrink_out)}
+
+
+def _solve_kwargs(settings, H_out) -> dict:
+    """``quantize_layer``'s damping arguments for one layer (``settings``: a number, the
+    damping of both factors, or the dict of :func:`_out_settings`)."""
+    if not isinstance(settings, dict):
+        return {"damp": float(settings)}
+    kw = {"damp": settings["damp"]}
+    if H_out is None:
+        return kw
+    if settings.get("out") == "auto":
+        from .factors import auto_regularization
+
+        kw["shrink_out"], kw["damp_out"] = auto_regularization(H_out.shape[0],
+                                                               settings["tokens"])
+    else:
+        kw["shrink_out"], kw["damp_out"] = settings["shrink_out"], settings["damp_out"]
+    return kw
+
+
 def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp, incoherence=None):
     """Fit ``W``'s grid, round the layer onto it (round-to-nearest when ``H_in`` is None)
     and publish its codes write-once; returns ``W_hat``. The one body of a layer's solve,
     in this process and on a Dask worker (bakron.distributed._model_jobs), so both write
-    the same bytes. With ``incoherence`` (a seed) the layer is rotated on both sides first
+    the same bytes. ``damp``: see :func:`_solve_kwargs`. With ``incoherence`` (a seed) the
+    layer is rotated on both sides first
     (:mod:`bakron.incoherence`): the codes are those of ``U W Vᵀ`` and ``W_hat`` is rotated
     back."""
     t = time.perf_counter()
@@ -885,8 +936,8 @@ def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp, incohe
     else:
         from .layer import quantize_layer
 
-        res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), damp=damp,
-                             metrics="none")
+        res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), metrics="none",
+                             **_solve_kwargs(damp, H_out))
         values, codes = res.values, res.codes
     _publish(work, name, key, q, values, codes, seconds=time.perf_counter() - t)
     return values if rot is None else rot.unrotate_weight(values)
