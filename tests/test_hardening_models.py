@@ -74,8 +74,8 @@ def test_gguf_tensor_offsets_are_checked(tiny_gguf):
     base = {t.name: int(t.field.parts[5][0]) for t in gguf.GGUFReader(str(tiny_gguf)).tensors}
     name = "blk.0.ffn_up.weight"
     good = tiny_gguf.read_bytes()
-    cases = [(0, "offset 0"),                                     # aliases token_embd's bytes
-             (base[name] + 4, "not a multiple of the alignment (32)"),                     # shifted by 4 bytes
+    cases = [(0, "offset 0"),                                 # aliases token_embd's bytes
+             (base[name] + 4, "not a multiple of the alignment (32)"),    # shifted by 4
              (base[name] - 32, "would overlap the tensors before it"),
              (base[name] + 32, "leaves a gap"),
              (2 ** 40, "offset 1099511627776")]

@@ -187,9 +187,9 @@ def read_gguf(path, *, dtype="float32", tokenizer: bool = True) -> GGUFModel:
     if tokenizer and (tokens is None or "tokenizer.ggml.merges" not in big):
         missing = " and ".join(k for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
                                if k not in big)
-        raise ModelFileError(f"{source} has no tokenizer: the metadata lacks {missing} (llama.cpp "
-                             f"cannot use it either; read_gguf(..., tokenizer=False) reads the "
-                             f"weights alone)")
+        raise ModelFileError(f"{source} has no tokenizer: the metadata lacks {missing} "
+                             f"(llama.cpp cannot use it either; read_gguf(..., "
+                             f"tokenizer=False) reads the weights alone)")
     by_name = {t.name: t for t in header.tensors}
     qtypes = {t.name: _check_type(gguf, t, source) for t in header.tensors}
     shapes = {t.name: t.shape for t in header.tensors}
@@ -204,11 +204,12 @@ def read_gguf(path, *, dtype="float32", tokenizer: bool = True) -> GGUFModel:
     cfg = _config(meta, shapes, tokens, source, factors)
     rows = shapes.get("token_embd.weight", (cfg.vocab_size,))[0]
     if tokens is not None and len(tokens) != rows or rows != cfg.vocab_size:
+        key = f"{arch}.vocab_size"
+        also = f" and {key} is {cfg.vocab_size}" if key in meta else ""
         raise ModelFileError(
             f"{source}: the tokenizer has {len(tokens) if tokens is not None else 'no'} tokens "
-            f"(tokenizer.ggml.tokens), the embedding token_embd.weight {rows} rows"
-            f"{f' and {arch}.vocab_size is {cfg.vocab_size}' if arch + '.vocab_size' in meta else ''}"
-            f"; they must agree (llama.cpp refuses such a file too)")
+            f"(tokenizer.ggml.tokens), the embedding token_embd.weight {rows} rows{also}; they "
+            f"must agree (llama.cpp refuses such a file too)")
     check_shapes(cfg, shapes, source=source, key=f"metadata {arch}.block_count")
     want = weight_shapes(cfg)
     for name in by_name:
