@@ -171,6 +171,20 @@ def _bytes(text: str) -> int:
     return int(v)
 
 
+def _damp_or_auto(text: str):
+    return "auto" if text == "auto" else _damp(text)
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return v
+
+
 def _damp(text: str) -> float:
     try:
         v = float(text)
@@ -190,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "another bakron driver), 4 missing component, "
                 "5 output not written (I/O error), 130 interrupted.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = p.add_subparsers(dest="command", metavar="{demo,quantize,quantize-model,bench}",
+    sub = p.add_subparsers(dest="command", metavar="{demo,quantize,quantize-model,evaluate,bench}",
                            parser_class=_Parser)
 
     d = sub.add_parser("demo", help="run a built-in demo end to end and write a report",
@@ -301,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="asymmetric gptq/float grid (zero points)")
     qm.add_argument("--damp", type=_damp, default=0.01,
                     help="relative damping of the factors (default 0.01)")
+    qm.add_argument("--damp-out", type=_damp_or_auto, default="auto", metavar="auto|D",
+                    help="regularisation of a global H_out: auto (default) shrinks it toward "
+                         "its diagonal and damps it by a rule of its width over the "
+                         "calibration tokens (docs/hessian.md); a number is its relative "
+                         "damping alone")
+    qm.add_argument("--shrink-out", type=_fraction, default=None, metavar="S",
+                    help="with a numeric --damp-out: shrink a global H_out toward its "
+                         "diagonal, (1-S) H_out + S diag(H_out), S in [0, 1] (default 0)")
     qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
                     help="where the model and the solves run (default cpu, gpu with --gpus; "
                          "auto uses a GPU when cupy sees one)")
@@ -314,6 +336,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start a local Dask cluster of one worker per GPU (the first N "
                             "visible) for the solves (needs bakron[dask])")
     qm.set_defaults(func=_cmd_quantize_model)
+
+    ev = sub.add_parser(
+        "evaluate", help="KL of a quantized causal LM to its original on held-out text",
+        description="The mean per-token KL(original || quantized) of the next-token "
+        "distributions, with its standard error over texts, the perplexity and the top-1 "
+        "agreement, on the first Lee news documents and on held-out sentences of the Python "
+        "Language Reference (the demo's evaluation texts).")
+    ev.add_argument("quantized", metavar="QUANTIZED", nargs="+",
+                    help="quantized model(s): a folder written by quantize-model --format "
+                         "float or gptq, or a GGUF file")
+    ev.add_argument("--reference", required=True, metavar="MODEL",
+                    help="the original: smollm2, a .gguf file or a Hugging Face folder")
+    ev.add_argument("--json", metavar="FILE", default=None,
+                    help="also write the figures to FILE (JSON)")
+    ev.set_defaults(func=_cmd_evaluate)
 
     b = sub.add_parser("bench", help="benchmark methods x sizes on this machine (forwards "
                        "its arguments to bakron.bench)", add_help=False)
@@ -502,7 +539,8 @@ def _cmd_quantize_model(args) -> int:
                                 bits=args.bits, group_size=args.group_size, sym=args.sym,
                                 calib=args.calib, calib_seqs=args.calib_seqs,
                                 calib_len=args.calib_len, memory_budget=args.memory_budget,
-                                device=device, damp=args.damp, progress=not args.quiet,
+                                device=device, damp=args.damp, damp_out=args.damp_out,
+                                shrink_out=args.shrink_out, progress=not args.quiet,
                                 scheduler=args.scheduler, gpus=args.gpus)
     except ClusterUnavailable as exc:
         raise Unavailable(str(exc)) from None
@@ -535,6 +573,45 @@ def _with_notes(msg: str, exc: BaseException, default: str | None = None) -> str
     raised after it made ``OUT.work`` (what is left on disk), or ``default``."""
     notes = list(getattr(exc, "__notes__", ())) or ([default] if default else [])
     return "; ".join([msg, *notes])
+
+
+# -- evaluate --------------------------------------------------------------------------------
+
+def _cmd_evaluate(args) -> int:
+    """``bakron evaluate``: see :mod:`bakron.models.llm.evaluation`."""
+    from .models.llm import ChecksumError, ModelUnavailableError
+    from .models.llm.evaluation import compare, evaluation_texts
+
+    try:
+        from .models import load_llm
+
+        ref = load_llm(args.reference)
+        texts = evaluation_texts(ref)
+        models = {}
+        for path in args.quantized:
+            if not os.path.exists(path):
+                raise UsageError(f"{path}: no such file or folder (a quantized model)")
+            models[path] = load_llm(path)
+    except (ModelUnavailableError, ChecksumError) as exc:
+        raise Unavailable(f"the model is not available: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    res = compare(ref, models, texts=texts)
+    if "lee_error" in res:
+        _err(f"bakron evaluate: the Lee corpus is unavailable ({res['lee_error']}); held-out "
+             f"documents only")
+    for key, src in res["sources"].items():
+        print(f"{key}: {src}; original perplexity {res['original'][key]['perplexity']:.3f}")
+    print(f"{'model':40s} {'set':5s} {'KL':>8s} {'s.e.':>7s} {'ppl':>8s} {'top-1':>6s}")
+    for label, sets in res["models"].items():
+        for key, e in sets.items():
+            print(f"{label[-40:]:40s} {key:5s} {e['kl']:8.4f} {e['kl_text_sem']:7.4f} "
+                  f"{e['perplexity']:8.3f} {e['top1_agreement']:6.3f}")
+    if args.json:
+        from ._lib.fs import atomic_write_json
+
+        atomic_write_json(args.json, res)
+    return EXIT_OK
 
 
 # -- quantize ------------------------------------------------------------------------------

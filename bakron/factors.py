@@ -13,7 +13,8 @@ from . import _xp
 from ._validate import (check_damp, check_finite, check_int, check_matrix, check_real_dtype,
                         check_symmetric, native)
 
-__all__ = ["block_ldl", "prepare_factor", "Factor", "NotPositiveDefiniteError"]
+__all__ = ["block_ldl", "prepare_factor", "Factor", "NotPositiveDefiniteError", "check_shrink",
+           "auto_regularization", "AUTO_SHRINK_PER_WIDTH"]
 
 
 class NotPositiveDefiniteError(ValueError):
@@ -134,7 +135,8 @@ class Factor:
 
 
 def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
-                   normalize: bool = True, name: str = "H", check_symmetry: bool = True) -> Factor:
+                   normalize: bool = True, name: str = "H", check_symmetry: bool = True,
+                   shrink: float = 0.0) -> Factor:
     """Symmetrise, normalise, handle dead channels, damp and block-LDL-factorise ``H``.
 
     Parameters
@@ -150,6 +152,10 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
         attempts in all; when ``damp == 0`` the escalation starts at ``1e-6``.
     normalize : bool
         Divide by the mean diagonal first (off: the matrix is used as given, plus damping).
+    shrink : float
+        Shrinkage toward the diagonal, in [0, 1], applied before the damping:
+        ``H <- (1 - shrink) H + shrink diag(H)``. ``shrink=1`` keeps only the diagonal (for
+        ``H_out`` that is the one-sided rounding); see :func:`auto_regularization`.
     name : str
         The argument name used in error messages.
 
@@ -164,6 +170,7 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
     check_real_dtype(xp, H, name)
     check_finite(xp, H, name)
     damp = check_damp(damp)
+    shrink = check_shrink(shrink)
     max_tries = check_int(max_tries, "max_tries", minimum=1)
     n = H.shape[0]
     block = _check_block(block, n)
@@ -201,6 +208,8 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
             raise ValueError(f"{name} has zero diagonal entries with non-zero off-diagonal "
                              f"entries: it is not positive semi-definite")
         H64 = H64 + _diag_matrix(xp, xp.astype(dead_mask, xp.float64))
+    if shrink > 0:
+        H64 = (1.0 - shrink) * H64 + shrink * _diag_matrix(xp, xp.linalg.diagonal(H64))
     eye = xp.eye(n, dtype=xp.float64, device=_xp.device(H64))
     delta = float(damp)
     for attempt in range(1, int(max_tries) + 1):
@@ -215,6 +224,33 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
     raise NotPositiveDefiniteError(
         f"{name} is not positive definite even with damping {delta / 2:.3g} after {max_tries} "
         f"tries: it is indefinite beyond the damping limit (check how it was accumulated)")
+
+
+#: ``auto_regularization``'s constant: shrink = min(1, AUTO_SHRINK_PER_WIDTH * width / tokens)
+AUTO_SHRINK_PER_WIDTH = 2.0
+
+
+def auto_regularization(width: int, tokens: int) -> tuple[float, float]:
+    """``(shrink_out, damp_out)`` for a sampled ``H_out`` of ``width`` outputs estimated from
+    ``tokens`` calibration tokens (one sampled label each).
+
+    The shrinkage toward the diagonal grows with ``width / tokens`` (the noise of the
+    off-diagonal entries of a sampled second moment grows with the dimension over the sample
+    count): ``shrink = min(1, c width / tokens)``, with ``c`` =
+    :data:`AUTO_SHRINK_PER_WIDTH` chosen on held-out folds of the calibration data (never the
+    evaluation text; docs/hessian.md, "Regularising H_out"); the damping stays 1 %.
+    """
+    width = check_int(width, "width", minimum=1)
+    tokens = check_int(tokens, "tokens", minimum=1)
+    return min(1.0, AUTO_SHRINK_PER_WIDTH * width / tokens), 0.01
+
+
+def check_shrink(shrink, name: str = "shrink") -> float:
+    """``shrink`` as a float in [0, 1], or ``ValueError`` naming it."""
+    if isinstance(shrink, bool) or not isinstance(shrink, (int, float)) \
+            or not 0.0 <= float(shrink) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {shrink!r}")
+    return float(shrink)
 
 
 def _diag_matrix(xp, v):

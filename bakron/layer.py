@@ -9,7 +9,7 @@ from . import _xp
 from ._lib.proxy import ProxyMetrics
 from ._validate import (check_array_kind, check_damp, check_factor_shape, check_finite,
                         check_matrix, check_quantizer, check_real_dtype, check_tile, native)
-from .factors import Factor, prepare_factor
+from .factors import Factor, check_shrink, prepare_factor
 from .quantizers import UniformQuantizer
 from .solvers import SolveResult, solve
 
@@ -124,7 +124,8 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
                    tile=(16, 16), method: str = "auto", engine: str = "auto",
                    damp: float = 0.01, symmetric: bool = True, granularity: str = "row",
                    group_size: int | None = None, scale_method: str = "rms",
-                   metrics: str = "full", progress=None) -> LayerResult:
+                   metrics: str = "full", progress=None, damp_out: float | None = None,
+                   shrink_out: float = 0.0) -> LayerResult:
     """Quantize one linear layer from its Hessian factors.
 
     Parameters
@@ -147,6 +148,12 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
         As in :func:`bakron.solve`.
     damp : float
         Relative damping of both factors (escalated if needed; see :func:`prepare_factor`).
+    damp_out, shrink_out : float, optional
+        Regularisation of a full ``H_out`` alone: its relative damping (default ``damp``) and
+        its shrinkage toward its diagonal, ``(1 - s) H_out + s diag(H_out)`` (default 0;
+        ``1`` gives the one-sided rounding). A sampled ``H_out`` is noisy where the
+        calibration tokens are few for its width: :func:`bakron.factors.auto_regularization`
+        gives the rule ``bakron quantize-model --damp auto`` uses (docs/hessian.md).
     metrics : {"full", "basic", "none"}
         Proxy errors to compute: ``full`` all four (the layer's loss and the one-sided one, for
         the result and for round-to-nearest); ``basic`` the layer's loss only (``proxy_error``,
@@ -163,7 +170,8 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     say = progress if callable(progress) else (lambda msg: None)
     prep = _prepare(W, H_in, H_out, quantizer=quantizer, bits=bits, tile=tile, damp=damp,
                     symmetric=symmetric, granularity=granularity, group_size=group_size,
-                    scale_method=scale_method, say=say)
+                    scale_method=scale_method, say=say, damp_out=damp_out,
+                    shrink_out=shrink_out)
     (tx, ty), (m, n) = prep.tile, prep.W.shape
     say(f"solving ({m} x {n}, tile {tx}x{ty})")
     res = solve(prep.W, feedback(prep.f_out), prep.f_in.A, prep.quantizer, tile=prep.tile,
@@ -195,7 +203,8 @@ def feedback(f_out: Factor | None):
 
 
 def _prepare(W, H_in, H_out, *, quantizer, bits, tile, damp, symmetric, granularity,
-             group_size, scale_method, factors: dict | None = None, say=None) -> _Prepared:
+             group_size, scale_method, factors: dict | None = None, say=None,
+             damp_out=None, shrink_out=0.0) -> _Prepared:
     """Check one layer's inputs, fit its quantizer when none is given, prepare its factors
     (``factors``: a cache by Hessian object and block, for layers that share a Hessian)."""
     say = say or (lambda msg: None)
@@ -211,6 +220,8 @@ def _prepare(W, H_in, H_out, *, quantizer, bits, tile, damp, symmetric, granular
     diag_out = H_out is not None and len(H_out.shape) == 1
     tx, ty = check_tile(tile, m, n)
     damp = check_damp(damp)
+    damp_out = damp if damp_out is None else check_damp(damp_out)
+    shrink_out = check_shrink(shrink_out, "shrink_out")
     if quantizer is None:
         if bits is None:
             raise ValueError("give either quantizer= or bits=")
@@ -222,7 +233,8 @@ def _prepare(W, H_in, H_out, *, quantizer, bits, tile, damp, symmetric, granular
     factors = {} if factors is None else factors
 
     def factor(H, block, name, prep):
-        key = (id(H), block, damp, name)
+        key = (id(H), block, damp, name) if name == "H_in" else (id(H), block, damp_out,
+                                                                 shrink_out, name)
         if key not in factors:
             factors[key] = (H, prep(H, block, name))
         return factors[key][1]
@@ -235,9 +247,11 @@ def _prepare(W, H_in, H_out, *, quantizer, bits, tile, damp, symmetric, granular
         f_out = None
     elif diag_out:
         f_out = factor(H_out, tx, "H_out",
-                       lambda H, block, name: _diagonal_factor(xp, H, damp, block))
+                       lambda H, block, name: _diagonal_factor(xp, H, damp_out, block))
     else:
-        f_out = factor(H_out, tx, "H_out", full)
+        f_out = factor(H_out, tx, "H_out",
+                       lambda H, block, name: prepare_factor(H, block, damp=damp_out,
+                                                             name=name, shrink=shrink_out))
     _xp.sync(xp)
     return _Prepared(xp, W, H_in, H_out, input_dtype, (tx, ty), quantizer, f_in, f_out,
                      time.perf_counter() - t0)

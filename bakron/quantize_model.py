@@ -508,7 +508,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                    sym: bool | None = None, calib="builtin", calib_seqs: int = 32,
                    calib_len: int = 128, memory_budget: int | None = None,
                    device: str | None = None, tile=(16, 16), damp: float = 0.01,
-                   seed: int = 0, batch_size: int = 8, cache=None, wheel=None,
+                   damp_out="auto", shrink_out: float | None = None, seed: int = 0, batch_size: int = 8, cache=None, wheel=None,
                    progress: bool = True, keep_weights: bool = False,
                    scheduler: str | None = None, gpus: int | None = None, client=None,
                    retries: int = 2, _after_layer=None) -> dict:
@@ -541,6 +541,13 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         with ``gpus``, else ``"cpu"``. ``"cpu"`` with ``gpus`` is an error.
     tile, damp
         Solver tile and relative damping (:func:`bakron.quantize_layer`).
+    damp_out, shrink_out
+        Regularisation of a global ``H_out`` (``factors`` ``global`` and ``input+global-out``):
+        ``"auto"`` (default) sets its shrinkage toward the diagonal and its damping per layer
+        from its width and the calibration token count
+        (:func:`bakron.factors.auto_regularization`, chosen on held-out calibration folds;
+        docs/hessian.md); a number is its relative damping, with ``shrink_out`` (default 0)
+        its shrinkage.
     seed : int
         Seed of the labels drawn for the Fisher.
     batch_size : int
@@ -595,6 +602,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     tile = tuple(_checked(check_int, t, "tile", minimum=1, what="a pair of positive integers")
                  for t in tile)
     damp = _checked(check_damp, damp, "damp")
+    solve_settings = _out_settings(damp, damp_out, shrink_out)
     if gpus is not None:
         gpus = _checked(check_int, gpus, "gpus", minimum=1)
     if sum(x is not None for x in (scheduler, gpus, client)) > 1:
@@ -681,7 +689,10 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         t0 = time.perf_counter()
         model_hash, layer_hashes = _fingerprint(lm)
         seconds["hash"] = time.perf_counter() - t0
+        if solve_settings.get("out") == "auto":
+            solve_settings["tokens"] = int(sum(map(len, seqs)))
         options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
+                   **({} if factors in ("rtn", "input") else {"h_out": solve_settings}),
                    "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
         key = _config_key(grid, factors, options, seqs)
         content = layer_hashes if factors == "rtn" else dict.fromkeys(names, model_hash)
@@ -750,11 +761,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                 t = time.perf_counter()
                 values = _solve_and_publish(work, name, layer_key(name),
                                             lm.linear_weight(name), H_in, H_out, grid, tile,
-                                            damp)
+                                            solve_settings)
                 published(name, time.perf_counter() - t, values)
 
             if solves is not None:
-                solves.start(str(work), grid=grid, tile=tile, damp=damp, on_done=published)
+                solves.start(str(work), grid=grid, tile=tile, damp=solve_settings,
+                             on_done=published)
 
             t0 = time.perf_counter()
             report = None
@@ -814,11 +826,46 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             solves.close()
 
 
+def _out_settings(damp, damp_out, shrink_out) -> dict:
+    """The solve settings: ``{"damp"}`` plus ``{"out": "auto"}`` or ``{"damp_out",
+    "shrink_out"}`` (``InputError`` naming a bad value)."""
+    from .factors import check_shrink
+
+    if isinstance(damp_out, str):
+        if damp_out != "auto":
+            raise InputError(f"damp_out must be 'auto' or a number >= 0, got {damp_out!r}")
+        if shrink_out is not None:
+            raise InputError("shrink_out is set by damp_out='auto'; give a number as damp_out "
+                             "to set shrink_out yourself")
+        return {"damp": float(damp), "out": "auto"}
+    damp_out = _checked(check_damp, damp_out, "damp_out")
+    shrink_out = 0.0 if shrink_out is None else _checked(check_shrink, shrink_out, "shrink_out")
+    return {"damp": float(damp), "damp_out": float(damp_out), "shrink_out": float(shrink_out)}
+
+
+def _solve_kwargs(settings, H_out) -> dict:
+    """``quantize_layer``'s damping arguments for one layer (``settings``: a number, the
+    damping of both factors, or the dict of :func:`_out_settings`)."""
+    if not isinstance(settings, dict):
+        return {"damp": float(settings)}
+    kw = {"damp": settings["damp"]}
+    if H_out is None:
+        return kw
+    if settings.get("out") == "auto":
+        from .factors import auto_regularization
+
+        kw["shrink_out"], kw["damp_out"] = auto_regularization(H_out.shape[0],
+                                                               settings["tokens"])
+    else:
+        kw["shrink_out"], kw["damp_out"] = settings["shrink_out"], settings["damp_out"]
+    return kw
+
+
 def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp):
     """Fit ``W``'s grid, round the layer onto it (round-to-nearest when ``H_in`` is None)
     and publish its codes write-once; returns ``W_hat``. The one body of a layer's solve,
     in this process and on a Dask worker (bakron.distributed._model_jobs), so both write
-    the same bytes."""
+    the same bytes. ``damp``: see :func:`_solve_kwargs`."""
     t = time.perf_counter()
     q = _fit_grid(W, grid)
     if H_in is None:
@@ -826,8 +873,8 @@ def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp):
     else:
         from .layer import quantize_layer
 
-        res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), damp=damp,
-                             metrics="none")
+        res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), metrics="none",
+                             **_solve_kwargs(damp, H_out))
         values, codes = res.values, res.codes
     _publish(work, name, key, q, values, codes, seconds=time.perf_counter() - t)
     return values

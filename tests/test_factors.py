@@ -113,3 +113,28 @@ def test_prepare_factor_bad_arguments():
 def test_block_ldl_not_positive_definite():
     with pytest.raises(bakron.NotPositiveDefiniteError, match="not positive definite"):
         bakron.block_ldl(np.diag([1.0, -1.0]), 1)
+
+
+def test_shrink_moves_toward_the_diagonal():
+    from bakron.factors import auto_regularization, prepare_factor
+
+    rng = np.random.default_rng(3)
+    G = rng.standard_normal((40, 12))
+    H = G.T @ G
+    f0 = prepare_factor(H, 1, damp=0.0)
+    f1 = prepare_factor(H, 1, damp=0.0, shrink=1.0)
+    fh = prepare_factor(H, 1, damp=0.0, shrink=0.5)
+    d = np.diag(f0.H)
+    np.testing.assert_allclose(f1.H, np.diag(d))
+    np.testing.assert_allclose(fh.H, 0.5 * f0.H + 0.5 * np.diag(d))
+    assert np.count_nonzero(f1.A) == 0   # a diagonal H has L = I
+    with pytest.raises(ValueError, match="shrink"):
+        prepare_factor(H, 1, shrink=1.5)
+    with pytest.raises(ValueError, match="shrink"):
+        prepare_factor(H, 1, shrink=True)
+    s_small, _ = auto_regularization(192, 4096)
+    s_big, damp = auto_regularization(1536, 4096)
+    assert 0 <= s_small < s_big <= 1 and damp > 0
+    assert auto_regularization(1536, 10 ** 9)[0] < s_big   # more tokens, less shrinkage
+    with pytest.raises(ValueError, match="tokens"):
+        auto_regularization(10, 0)

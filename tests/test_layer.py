@@ -49,3 +49,20 @@ def test_quantize_layer_with_custom_tile_quantizer():
     r = bakron.quantize_layer(W, spd(rng, 12), spd(rng, 8), quantizer=Sign(), tile=(4, 4))
     assert set(np.unique(r.values)) <= {-0.8, 0.8}
     np.testing.assert_array_equal(r.rtn_values, np.where(W >= 0, 0.8, -0.8))
+
+
+def test_shrink_out_one_is_the_one_sided_rounding():
+    rng = np.random.default_rng(7)
+    W = rng.standard_normal((24, 48)).astype(np.float32)
+    X = rng.standard_normal((300, 48))
+    G = rng.standard_normal((60, 24))
+    H_in, H_out = X.T @ X, G.T @ G
+    quantize_layer = bakron.quantize_layer
+    kw = dict(bits=3, tile=(1, 1), metrics="none")
+    one = quantize_layer(W, H_in, None, **kw)
+    full = quantize_layer(W, H_in, H_out, shrink_out=1.0, **kw)
+    assert np.array_equal(full.codes, one.codes)
+    half = quantize_layer(W, H_in, H_out, shrink_out=0.5, damp_out=0.2, **kw)
+    assert half.damp_out == pytest.approx(0.2) and half.damp_in == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="shrink"):
+        quantize_layer(W, H_in, H_out, shrink_out=-0.1, **kw)

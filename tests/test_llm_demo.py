@@ -167,6 +167,28 @@ def test_evaluate_against_itself_and_against_log_probs():
     np.testing.assert_allclose(same["perplexity"], np.exp(np.mean(nll)), rtol=1e-5)
 
 
+def test_compare_models_and_weights():
+    """bakron.models.llm.evaluation.compare: the original against itself gives KL 0; a
+    perturbed layer (given as weights or as a model) a positive KL, the same either way, with
+    its standard error over the texts; the caller's arrays are not modified."""
+    from bakron.models.llm.evaluation import compare
+
+    lm = _tiny_lm(seed=4)
+    texts = {"docs": (lm.tokenize(["def f(x): return x", "another text, with commas",
+                                   "a third one that is longer than the others"]), "three")}
+    W = lm.linear_weight("blk.1.ffn_up")
+    before = np.array(W, copy=True)
+    W2 = W + 0.3 * np.random.default_rng(0).standard_normal(W.shape).astype(np.float32)
+    res = compare(lm, {"same": {}, "w": {"blk.1.ffn_up": W2},
+                       "m": lm.with_weights({"blk.1.ffn_up": W2})}, texts=texts)
+    assert res["sources"] == {"docs": "three"}
+    assert abs(res["models"]["same"]["docs"]["kl"]) < 1e-12
+    w, m = res["models"]["w"]["docs"], res["models"]["m"]["docs"]
+    assert w["kl"] > 1e-4 and w["kl"] == pytest.approx(m["kl"], rel=1e-12)
+    assert w["kl_text_sem"] > 0 and len(w["kl_per_text"]) == 3
+    assert np.array_equal(np.asarray(lm.linear_weight("blk.1.ffn_up")), before)
+
+
 def test_dequantized_codes_are_the_solved_values():
     import array_api_compat.numpy as xp
 

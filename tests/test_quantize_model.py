@@ -193,6 +193,29 @@ def test_a_work_folder_in_use_is_refused(models, tmp_path, capsys):
                  "rtn", "--quiet"]) == 0
 
 
+def test_output_factor_regularisation(models, tmp_path):
+    """--damp-out auto (the default), a numeric --damp-out with --shrink-out, and
+    --shrink-out 1 (H_out reduced to its diagonal) giving the one-sided codes (with tiles
+    of 1 x 1: a tile's own rounding weighs its outputs by the diagonal of H_out)."""
+    kw = dict(fmt="float", sym=False, group_size=16, keep_weights=True, tile=(1, 1), **FAST)
+    auto = quantize_model(models / "hf32", tmp_path / "a", factors="input+global-out", **kw)
+    plain = quantize_model(models / "hf32", tmp_path / "p", factors="input+global-out",
+                           damp_out=0.01, **kw)
+    diag = quantize_model(models / "hf32", tmp_path / "d", factors="input+global-out",
+                          damp_out=0.01, shrink_out=1.0, **kw)
+    one = quantize_model(models / "hf32", tmp_path / "o", factors="input", **kw)
+    for name, W in one["weights"].items():
+        assert np.array_equal(diag["weights"][name], W), name
+    assert any(not np.array_equal(plain["weights"][n], auto["weights"][n])
+               for n in one["weights"])
+    rc = main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "x"),
+               "--format", "float", "--shrink-out", "0.5", "--quiet"])
+    assert rc == 2 and not (tmp_path / "x").exists()   # shrink-out needs a numeric damp-out
+    rc = main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "y"),
+               "--format", "float", "--damp-out", "-1", "--quiet"])
+    assert rc == 2
+
+
 def test_calibration_sequences(models):
     from bakron.quantize_model import _builtin_split, calibration_sequences
 

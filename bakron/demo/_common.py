@@ -186,10 +186,10 @@ def warm_up(xp, tile, grid: dict | None = None):
     return tile, used, engine_arg, note
 
 
-def prepare_cached(cache, H, block, damp, key=None):
+def prepare_cached(cache, H, block, damp, key=None, shrink: float = 0.0):
     """``prepare_factor`` once per (matrix, block): ``(A in float32, seconds, damping)``;
     ``(None, 0.0, None)`` for ``H=None`` (one-sided). ``key`` names the matrix in ``cache``
-    (default its ``id``)."""
+    (default its ``id``); ``shrink``: see :func:`bakron.prepare_factor`."""
     from .. import _xp, prepare_factor
 
     if H is None:
@@ -198,7 +198,7 @@ def prepare_cached(cache, H, block, damp, key=None):
     if key not in cache:
         xp = _xp.namespace(H)
         t0 = time.perf_counter()
-        f = prepare_factor(H, block, damp=damp)
+        f = prepare_factor(H, block, damp=damp, shrink=shrink)
         A = xp.astype(f.A, xp.float32)
         _xp.sync(xp)
         cache[key] = (A, time.perf_counter() - t0, f.damp)

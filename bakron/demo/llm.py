@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .._validate import check_bits_list, check_int
+from ..models.llm.evaluation import EvalSet as _EvalSet, evaluate, sem
 from ._common import Clock, PeakMemory, ProxyPairs, blas_limit, log, md_table, namespace, png, \
     prepare_cached, warm_up
 
@@ -79,37 +80,6 @@ def _codes_u8(xp, codes, quantizer):
 
 # -- forward and evaluation ---------------------------------------------------------------------
 
-def _hidden(xp, stages, ids):
-    """The chain's output before the head: final-norm hidden states (B, T, d)."""
-    h = ids
-    for st in stages[:-1]:
-        h = st.forward(xp, h)
-    return h
-
-
-class _EvalSet:
-    """Right-padded evaluation batches and, per batch, the real rows, their next tokens and
-    the text each row belongs to."""
-
-    def __init__(self, xp, seqs, batch_size, device):
-        from ..hessian import pad_batches
-
-        self.batches, order = pad_batches(seqs, batch_size=batch_size, xp=xp, device=device)
-        self.rows, self.labels, self.text_of = [], [], []
-        for b, rows in zip(self.batches, order):
-            ids = np.asarray(_to_np(b))
-            mask = ids >= 0
-            nxt = np.full_like(ids, -1)
-            nxt[:, :-1] = ids[:, 1:]
-            flat = mask.reshape(-1)
-            self.rows.append(xp.asarray(np.nonzero(flat)[0], device=device))
-            self.labels.append(nxt.reshape(-1)[flat])
-            self.text_of.append(np.repeat(np.asarray(rows), mask.sum(axis=1)))
-        self.n_texts = len(seqs)
-        self.tokens = int(sum(len(s) for s in seqs))
-        self.predicted = int(sum(len(s) - 1 for s in seqs))
-
-
 def _proxy_bits(proxies, bits):
     if proxies is False or proxies is None:
         return None
@@ -121,80 +91,7 @@ def _proxy_bits(proxies, bits):
     return proxies
 
 
-def _sem(x) -> float:
-    """Standard error of the mean of ``x`` (NaN for fewer than 2 values)."""
-    x = np.asarray(x, dtype=np.float64)
-    return float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else float("nan")
-
-
-def _to_np(a):
-    from .. import _xp
-
-    return _xp.to_numpy(a)
-
-
-def _real_rows(xp, z, rows):
-    d = z.shape[-1]
-    return xp.take(xp.reshape(z, (-1, d)), rows, axis=0)
-
-
-def _log_softmax64(xp, logits):
-    a = xp.astype(logits, xp.float64)
-    a = a - xp.max(a, axis=-1, keepdims=True)
-    return a - xp.log(xp.sum(xp.exp(a), axis=-1, keepdims=True))
-
-
-def evaluate(xp, stages, W_out, data: _EvalSet, reference=None, *, chunk: int = 128):
-    """Run ``stages`` on the evaluation set.
-
-    Without ``reference``: returns the reference (the real rows' hidden states per batch) and
-    the figures of this model (NLL, perplexity). With ``reference`` (the original model's):
-    also the mean per-token KL(original ‖ this model) over every real position, per-text mean
-    KL (for the standard error), and the top-1 agreement with the original.
-    Log-softmax in float64 over the vocabulary, ``chunk`` positions at a time.
-    """
-    from .. import _xp
-
-    dev = _xp.device(W_out)
-    kl_sum = nll_sum = 0.0
-    agree = n_rows = n_pred = 0
-    per_text_kl = np.zeros(data.n_texts)
-    per_text_n = np.zeros(data.n_texts)
-    hidden = []
-    for k, ids in enumerate(data.batches):
-        z = _real_rows(xp, _hidden(xp, stages, ids), data.rows[k])
-        hidden.append(z)
-        labels = data.labels[k]
-        for s in range(0, z.shape[0], chunk):
-            e = min(z.shape[0], s + chunk)
-            lq = _log_softmax64(xp, z[s:e, ...] @ W_out.T)
-            y = labels[s:e]
-            has = np.nonzero(y >= 0)[0]
-            if has.size:
-                V = lq.shape[-1]
-                flat = xp.asarray(has * V + y[has], device=dev)
-                nll_sum -= float(xp.sum(xp.take(xp.reshape(lq, (-1,)), flat)))
-                n_pred += int(has.size)
-            if reference is not None:
-                lo = _log_softmax64(xp, reference[k][s:e, ...] @ W_out.T)
-                kl = _to_np(xp.sum(xp.exp(lo) * (lo - lq), axis=-1))
-                kl_sum += float(kl.sum())
-                np.add.at(per_text_kl, data.text_of[k][s:e], kl)
-                np.add.at(per_text_n, data.text_of[k][s:e], 1)
-                agree += int(xp.sum(xp.astype(xp.argmax(lo, axis=-1) == xp.argmax(lq, axis=-1),
-                                              xp.int64)))
-                del lo
-            del lq
-            n_rows += e - s
-    _xp.sync(xp)
-    out = {"nll": nll_sum / max(n_pred, 1), "predicted_tokens": n_pred, "positions": n_rows}
-    out["perplexity"] = math.exp(out["nll"])
-    if reference is None:
-        return out, hidden
-    per_text = per_text_kl / np.maximum(per_text_n, 1)
-    out.update(kl=kl_sum / n_rows, kl_text_sem=_sem(per_text), kl_per_text=per_text.tolist(),
-               top1_agreement=agree / n_rows)
-    return out, None
+_sem = sem
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -204,7 +101,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         layers=None, n_calibration: int | None = None, n_heldout: int | None = None,
         max_tokens: int | None = None, lee: bool | None = None, n_indomain: int = 24,
         group_size: int = 64,
-        tile=None, damp: float = 0.01, refine_iters: int = 1, refine: str = "sequence",
+        tile=None, damp: float = 0.01, damp_out="auto", refine_iters: int = 1, refine: str = "sequence",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
         blas_threads: int | None = 1) -> dict:
@@ -252,7 +149,12 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
     tile : (int, int), optional
         Solver tile; default ``(1, 1)`` with a compiled engine, else ``(16, 16)``.
     damp : float
-        Relative damping of every factor.
+        Relative damping of every factor (of ``H_in`` only, unless ``damp_out`` is a number).
+    damp_out : "auto" or float
+        Regularisation of the global ``H_out`` of the two-sided methods: ``"auto"`` shrinks it
+        toward its diagonal and damps it per layer from its width over the calibration tokens
+        (:func:`bakron.factors.auto_regularization`, the rule of ``bakron quantize-model``); a
+        number is its relative damping alone.
     refine_iters, refine
         Power-iteration steps of the global factors (:func:`bakron.hessian.global_factors`);
         ``refine_iters=0`` keeps the K-FAC factors, whose ``H_in`` is the local one, so that
@@ -305,6 +207,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         raise ValueError(f"refine must be 'token' or 'sequence', got {refine!r}")
     if not damp >= 0:
         raise ValueError(f"damp must be >= 0, got {damp!r}")
+    if damp_out != "auto" and (isinstance(damp_out, (str, bool)) or not damp_out >= 0):
+        raise ValueError(f"damp_out must be 'auto' or a number >= 0, got {damp_out!r}")
     if tile is not None:
         tile = (int(tile), int(tile)) if isinstance(tile, int) else (int(tile[0]), int(tile[1]))
         if min(tile) < 1:
@@ -314,7 +218,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
                     progress=progress, methods=methods, layers=layers,
                     n_calibration=n_calibration, n_heldout=n_heldout, max_tokens=max_tokens,
                     lee=lee, n_indomain=n_indomain, group_size=group_size, tile=tile,
-                    damp=damp,
+                    damp=damp, damp_out=damp_out,
                     refine_iters=refine_iters, refine=refine, budget_bytes=budget_bytes,
                     batch_size=batch_size, cache=cache, wheel=wheel, seed=seed,
                     accum_dtype=accum_dtype,
@@ -426,6 +330,7 @@ class _Run:
             raise ValueError(f"a text has {longest} tokens, more than the model's context of "
                              f"{ctx}")
         self.n_cal_texts, self.n_eval_texts = len(self.cal_seqs), len(eval_seqs)
+        self.cal_tokens = int(sum(map(len, self.cal_seqs)))
         self.max_tok = max_tok
         dev = _device_of(self.lm)
         self.data = _EvalSet(xp, eval_seqs, self.batch_size, dev)
@@ -525,6 +430,17 @@ class _Run:
         log(self.progress, "      " + str(rep).replace("\n", "\n      "))
         self.local_in.clear()
 
+    def _out_reg(self, Ho):
+        """(damping, key, shrink) of an output factor for :func:`prepare_cached`."""
+        if Ho is None:
+            return self.damp, None, 0.0
+        if self.damp_out == "auto":
+            from ..factors import auto_regularization
+
+            shrink, d = auto_regularization(Ho.shape[0], self.cal_tokens)
+            return d, None, shrink
+        return float(self.damp_out), None, 0.0
+
     def _quantize_layer(self, name, H_loc, H_g, Ho_g):
         from .. import UniformQuantizer, _xp, solve
 
@@ -545,7 +461,7 @@ class _Run:
             Hi, Ho = pairs[meth]
             new = [(id(H), blk) not in fc for H, blk in ((Hi, tile[1]), (Ho, tile[0]))]
             _, ti, di = prepare_cached(fc, Hi, tile[1], self.damp)
-            _, to, do = prepare_cached(fc, Ho, tile[0], self.damp)
+            _, to, do = prepare_cached(fc, Ho, tile[0], *self._out_reg(Ho))
             row["factor_seconds"][meth] = ti * new[0] + to * new[1]   # each matrix counted once
             row["damp"][meth] = {"in": di, "out": do}
         for k, v in fc.items():
@@ -572,7 +488,7 @@ class _Run:
                         figs[meth] = dict(figs[first], same_as=first)
                         continue
                     A_in = prepare_cached(fc, Hi, tile[1], self.damp)[0]
-                    A_out = prepare_cached(fc, Ho, tile[0], self.damp)[0]
+                    A_out = prepare_cached(fc, Ho, tile[0], *self._out_reg(Ho))[0]
                     res = solve(W, A_out, A_in, qz, tile=tile, engine=self.engine_arg)
                     values, codes = res.values, res.codes
                     info = {"seconds_solve": res.seconds, "method": res.method,
@@ -641,7 +557,7 @@ class _Run:
             "model": self.model_name, "device": self.dev, "bits": list(self.bits),
             "methods": list(self.methods), "quick": bool(self.quick),
             "tile": list(self.tile), "engine": self.engine, "engine_note": self.engine_note,
-            "damp": self.damp,
+            "damp": self.damp, "damp_out": self.damp_out,
             "grid": {"symmetric": False, "scale": "minmax", "group_size": self.group_size},
             "refine_iters": self.refine_iters, "refine": self.refine,
             "proxy_bits": self.proxy_bits,
@@ -791,7 +707,11 @@ def _markdown(res: dict) -> str:
         f"with a scale and zero point per group of {res['grid']['group_size']} inputs, fitted "
         f"to W by min/max (no clipping). Tile {res['tile'][0]}×{res['tile'][1]} (engine "
         f"{res['engine']}" + (f"; {res['engine_note']}" if res.get("engine_note") else "")
-        + f"), damping {res['damp']}.",
+        + f"), damping {res['damp']}"
+        + (f"; the global H_out of the two-sided methods shrunk toward its diagonal and damped "
+           f"by the rule of its width over the calibration tokens (damp_out='auto')"
+           if res.get("damp_out", "auto") == "auto" else
+           f"; H_out damped {res['damp_out']}") + ".",
         "",
         f"Calibration: {d['calibration_texts']} {d['calibration_source']} "
         f"({d['calibration_tokens']} tokens). Global factors: the Fisher of the KL to the "

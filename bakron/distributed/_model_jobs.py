@@ -124,7 +124,8 @@ class DaskLayerSolves:
 
         from ._run import _gpu_resource
 
-        self._settings = (work, dict(grid), tuple(tile), float(damp))
+        self._settings = (work, dict(grid), tuple(tile),
+                          dict(damp) if isinstance(damp, dict) else float(damp))
         self._on_done = on_done
         self._resources = _gpu_resource(self.client)
         self._ac = as_completed()
