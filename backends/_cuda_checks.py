@@ -14,15 +14,15 @@ it imports ``numba.cuda``).
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
 from numba import cuda, float64, int64, types
 
+from ._cuda_runtime import SIM
+
 #: threads per CTA of the kernels (a power of two: the CTA reductions halve it); 8 under
 #: the simulator, whose threads are Python threads
-SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 THREADS = 8 if SIM else 128
 #: at most this many CTAs per SM for the grid-stride count
 _COUNT_CTAS_PER_SM = 8

@@ -1,7 +1,7 @@
 """The CUDA kernel of the ``cuda`` engine: a batch of base blocks, each solved by the tile-level
 anti-diagonal wavefront with the scalar quantizer fused, in one cooperative launch.
 
-Imported only by :mod:`bakron.backends.numba_cuda` (which imports ``numba.cuda`` lazily).
+Imported only by the cuda engine's run context (``_cuda_runtime``, when a kernel is first made).
 
 What one launch does
 --------------------
@@ -55,8 +55,9 @@ simulator supports cooperative grids of one block).
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
-from numba import config, cuda, types  # this module is imported lazily, by numba_cuda only
+from numba import config, cuda, types  # imported lazily, by _cuda_runtime
 
 from ._cuda_layout import (ASYM, DESC, DESC_AI_OFFSET, DESC_AO_OFFSET, DESC_CA, DESC_CB,
                            DESC_E_OFFSET, DESC_F_LD, DESC_F_OFFSET, DESC_OUT_OFFSET, DESC_RA,
@@ -161,64 +162,78 @@ def chunk_for(tx: int, ty: int, itemsize: int) -> int:
     return int(kc)
 
 
-def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
-                items: bool = False, running: bool = True, per_thread: int = 1,
-                local: bool = False):
-    """The block kernel for ``dtype_name`` ('float32'/'float64') and a ``tx x ty`` tile.
+class KernelShape(NamedTuple):
+    """The compile-time constants of one kernel variant (``kernel_shape``): the working
+    dtype (numba type, item size), the tile, threads per CTA, the K-chunk of the staged
+    products and its unrolled runs, elements per thread, the shared and register stages'
+    sizes, and the variant's switches. Every device function of the kernel is made by a
+    factory (``_make_*``) that closes over the constants it uses, so that numba folds them
+    into the code as before."""
 
-    ``mode='ptr'``: compiled eagerly with raw-pointer arguments (launch with integers);
-    ``mode='array'``: lazily compiled with flat 1-D array arguments (simulator, or fallback).
-    ``maxreg``: register cap per thread (0: the compiler's choice). ``items``: the variant
-    for stacks, which reads each block's item offsets from its descriptor; without it the
-    offsets are the constant 0 (a single solve), which keeps nine 64-bit offsets out of the
-    registers of the tile loop (measured on the H200: the single-solve kernel with the
-    offsets read took 4-14 % longer, docs/benchmarks/h200.md). ``running``: the step of
-    running sums (each step adds the contributions of the tiles rounded at the step before,
-    over all the tiles that receive one); without it a step's items are the tiles it rounds,
-    each forming its whole sums in chunks of ``chunk_for`` (fewer loads per product: better
-    when a block's sums fit one chunk, docs/engines.md, "The GPU tile step").
-    ``per_thread``: elements of the tile per thread (``threads_for``; a CTA of fewer
-    threads, more of them resident). ``local``: each CTA solves whole blocks, one after the
-    other, its tile steps separated by ``syncthreads`` instead of grid synchronisations
-    (for launches of many small blocks; docs/engines.md, "Blocks per CTA and the depth of
-    whole sums"). Returns ``(dispatcher, threads)``.
-    """
-    key = (dtype_name, tx, ty, mode, maxreg, bool(items), bool(running), int(per_thread),
-           bool(local))
-    ITEMS = bool(items)
-    RUN = bool(running)
-    LOCAL = bool(local)
-    hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
+    dt: Any
+    isz: int
+    TX: int
+    TY: int
+    NT: int
+    KC: int
+    NE: int
+    KU: int
+    TXY: int
+    KTX: int
+    KTY: int
+    RX: int
+    RY: int
+    RUN: bool
+    ITEMS: bool
+    LOCAL: bool
+    i16: Any
+
+
+def kernel_shape(dtype_name: str, tx: int, ty: int, items: bool = False, running: bool = True,
+                 per_thread: int = 1, local: bool = False) -> KernelShape:
+    """The constants of the kernel variant (``make_kernel``'s arguments)."""
     dt = types.float32 if dtype_name == "float32" else types.float64
     isz = 4 if dtype_name == "float32" else 8
     TX, TY = int(tx), int(ty)
     NT = threads_for(TX, TY, int(per_thread))
     KC = chunk_for(TX, TY, isz)
-    if RUN:  # a running sum's products have an inner dimension of one tile
+    if running:  # a running sum's products have an inner dimension of one tile
         KC = min(KC, max(TX, TY))
     NE = (TX * TY + NT - 1) // NT
     KU = math.gcd(KC, 8)  # the products' inner runs (unrolled), dividing KC
-    TXY = TX * TY
     KTX = KC * TX
     KTY = KC * TY
-    i16 = types.int16
-    RX = (KTX + NT - 1) // NT
-    RY = (KTY + NT - 1) // NT
-    # the steps of an item are device functions inlined into the kernel (LLVM's
-    # alwaysinline, so that their local arrays stay in registers); the simulator runs them
-    # as Python functions
-    device = cuda.jit(device=True, **({} if config.ENABLE_CUDASIM else {"forceinline": True}))
+    return KernelShape(dt=dt, isz=isz, TX=TX, TY=TY, NT=NT, KC=KC, NE=NE, KU=KU, TXY=TX * TY,
+                       KTX=KTX, KTY=KTY, RX=(KTX + NT - 1) // NT, RY=(KTY + NT - 1) // NT,
+                       RUN=bool(running), ITEMS=bool(items), LOCAL=bool(local),
+                       i16=types.int16)
 
-    @device
+
+def _device():
+    """The decorator of the kernel's device functions: inlined into the kernel (LLVM's
+    alwaysinline, so that their local arrays stay in registers); the simulator runs them as
+    Python functions."""
+    return cuda.jit(device=True, **({} if config.ENABLE_CUDASIM else {"forceinline": True}))
+
+
+def _make_element(k: KernelShape):
+    """``element`` of the variant ``k`` (a device function closing over its constants)."""
+    NT, TY, TXY = k.NT, k.TY, k.TXY
+
+    @_device()
     def element(e):
         """This thread's ``e``-th element of the tile: ``(in the tile, row, column)``."""
         el = cuda.threadIdx.x + e * NT
         ii = el // TY
         return el < TXY, ii, el - ii * TY
+    return element
 
-    @device
+
+def _make_item_of(k: KernelShape):
+    """``item_of`` of the variant ``k`` (a device function closing over its constants)."""
+    TX, TY, RUN, ITEMS = k.TX, k.TY, k.RUN, k.ITEMS
+
+    @_device()
     def item_of(w, per, period, desc, g, two, s0, rows0, a_lo0, b_lo0, m, n):
         """Item ``w`` of step ``g``: its tile and what feeds it, the tuple ``st`` = (i0, j0,
         hx, hy, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off, e_off, ao_off, ai_off,
@@ -323,8 +338,14 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                     l1 = n
         return (i0, j0, i1 - i0, j1 - j0, fb, f_ld, init, rnd, k0, k1, l0, l1, w_off, o_off,
                 e_off, ao_off, ai_off, s_off, z_off)
+    return item_of
 
-    @device
+
+def _make_load_sums(k: KernelShape, element):
+    """``load_sums`` of the variant ``k`` (a device function closing over its constants)."""
+    NE, dt = k.NE, k.dt
+
+    @_device()
     def load_sums(st, W, F, E, Yg, S, n, has_f, has_yg, s_rows, s_cols, gsz,
                   accp, acct, pw, ps):
         """The tile's sums so far (the pull ``accp``; ``acct``: the offsets, the target
@@ -358,8 +379,15 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                         ps[e] = S[s_off + si]
             accp[e] = vp
             acct[e] = vt
+    return load_sums
 
-    @device
+
+def _make_load_chunk(k: KernelShape):
+    """``load_chunk`` of the variant ``k`` (a device function closing over its constants)."""
+    dt, NT, TX, TY, KC = k.dt, k.NT, k.TX, k.TY, k.KC
+    RX, RY, KTX, KTY = k.RX, k.RY, k.KTX, k.KTY
+
+    @_device()
     def load_chunk(st, c, AO, F, E, AI, m, n, pa, py, pe, pi):
         """Chunk ``c`` of the two products' operands into registers: rows ``k0 + c KC ..``
         of ``A_O[:, rows]`` and ``E[:, cols]``, columns ``l0 + c KC ..`` of ``Y[rows, :]``
@@ -406,8 +434,14 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
             pe[r] = ve
             pi[r] = vi
         return kc, lc
+    return load_chunk
 
-    @device
+
+def _make_to_shared(k: KernelShape):
+    """``to_shared`` of the variant ``k`` (a device function closing over its constants)."""
+    NT, TX, TY, KC, RX, RY, KTX, KTY = k.NT, k.TX, k.TY, k.KC, k.RX, k.RY, k.KTX, k.KTY
+
+    @_device()
     def to_shared(pa, py, pe, pi, sAO, sY, sE, sAI):
         """The chunk's operands from registers into shared memory."""
         tid = cuda.threadIdx.x
@@ -424,8 +458,14 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                 kk = idx // TY
                 sE[kk, idx - kk * TY] = pe[r]
                 sAI[kk, idx - kk * TY] = pi[r]
+    return to_shared
 
-    @device
+
+def _make_products(k: KernelShape, element):
+    """``products`` of the variant ``k`` (a device function closing over its constants)."""
+    dt, NE, KC, KU, RUN = k.dt, k.NE, k.KC, k.KU, k.RUN
+
+    @_device()
     def products(kc, lc, sAO, sE, sY, sAI, accp, acct):
         """Add the chunk's ``A_O^T E`` (depth ``kc``) to the pull and its ``Y A_I`` (depth
         ``lc``) to the target terms, in runs of ``KU`` (the chunk's zeros past the depth are
@@ -455,8 +495,14 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                             kk = kb * KU + ku
                             st_ += sY[ii, kk] * sAI[kk, jj]
                     acct[e] += st_
+    return products
 
-    @device
+
+def _make_finish(k: KernelShape, element):
+    """``finish`` of the variant ``k`` (a device function closing over its constants)."""
+    dt, NE, i16 = k.dt, k.NE, k.i16
+
+    @_device()
     def finish(st, accp, acct, pw, ps, F, E, Yg, Z, Wq, codes, T, n, has_yg, has_t, asym,
                z_rows, z_cols, gsz, lo, hi):
         """Store the tile's running sums for a later step, or round it: ``Wq``, ``codes``,
@@ -511,7 +557,14 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                     F[fi] = accp[e] + err
                     if has_yg:
                         Yg[e_off + gi] += err
+    return finish
 
+
+def _make_block_kernel(k: KernelShape, element, item_of, load_sums, load_chunk, to_shared,
+                       products, finish):
+    """The kernel function (not yet compiled) over the device functions of this variant."""
+    dt, NE, KC, TX, TY, RX, RY, RUN, LOCAL = (k.dt, k.NE, k.KC, k.TX, k.TY, k.RX, k.RY, k.RUN,
+                                              k.LOCAL)
     def block_kernel(W, AO, AI, F, E, Yg, Wq, codes, S, Z, T, desc, prm):
         """Solve ``prm[P_NBLK]`` blocks. Arguments (flat row-major arrays):
 
@@ -584,7 +637,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                     period = 1
                 else:
                     # the items of this step over all blocks: the blocks repeat the tile ranges
-                    # of the first ``period`` (``numba_cuda._period``: 1 for equal blocks; a
+                    # of the first ``period`` (``_cuda_plans._period``: 1 for equal blocks; a
                     # stack's items repeat one item's), so count one period and multiply; the
                     # shape of the period's first block is kept for ``item_of``
                     per = 0
@@ -632,7 +685,42 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
                     cuda.syncthreads()
                 else:
                     grid.sync()
+    return block_kernel
 
+
+def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
+                items: bool = False, running: bool = True, per_thread: int = 1,
+                local: bool = False):
+    """The block kernel for ``dtype_name`` ('float32'/'float64') and a ``tx x ty`` tile.
+
+    ``mode='ptr'``: compiled eagerly with raw-pointer arguments (launch with integers);
+    ``mode='array'``: lazily compiled with flat 1-D array arguments (simulator, or fallback).
+    ``maxreg``: register cap per thread (0: the compiler's choice). ``items``: the variant
+    for stacks, which reads each block's item offsets from its descriptor; without it the
+    offsets are the constant 0 (a single solve), which keeps nine 64-bit offsets out of the
+    registers of the tile loop (measured on the H200: the single-solve kernel with the
+    offsets read took 4-14 % longer, docs/benchmarks/h200.md). ``running``: the step of
+    running sums (each step adds the contributions of the tiles rounded at the step before,
+    over all the tiles that receive one); without it a step's items are the tiles it rounds,
+    each forming its whole sums in chunks of ``chunk_for`` (fewer loads per product: better
+    when a block's sums fit one chunk, docs/engines.md, "The GPU tile step").
+    ``per_thread``: elements of the tile per thread (``threads_for``; a CTA of fewer
+    threads, more of them resident). ``local``: each CTA solves whole blocks, one after the
+    other, its tile steps separated by ``syncthreads`` instead of grid synchronisations
+    (for launches of many small blocks; docs/engines.md, "Blocks per CTA and the depth of
+    whole sums"). Returns ``(dispatcher, threads)``.
+    """
+    key = (dtype_name, tx, ty, mode, maxreg, bool(items), bool(running), int(per_thread),
+           bool(local))
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    k = kernel_shape(dtype_name, tx, ty, items, running, per_thread, local)
+    dt, NT = k.dt, k.NT
+    element = _make_element(k)
+    block_kernel = _make_block_kernel(
+        k, element, _make_item_of(k), _make_load_sums(k, element), _make_load_chunk(k),
+        _make_to_shared(k), _make_products(k, element), _make_finish(k, element))
     if mode == "ptr":
         P = types.CPointer(dt)
         I64 = types.CPointer(types.int64)

@@ -45,26 +45,26 @@ from contextlib import contextmanager
 import numpy as np
 
 __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method", "op_table",
-           "wavefront_table", "gather_table", "factor_scan", "count_nonfinite",
-           "stack_threads", "threading_layer", "warm_up", "PANEL",
-           "BASE_ELEMENTS", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_ONE_SIDED_MIN_THREADS",
+           "wavefront_table", "gather_table", "factor_scan", "count_nonfinite", "quiet_blas",
+           "stack_threads", "threading_layer", "warm_up", "WAVEFRONT_MIN_THREADS", "WAVEFRONT_ONE_SIDED_MIN_THREADS",
            "WAVEFRONT_MIN_WORK", "STACK_THREADS_MIN_WORK"]
 
-from bakron.solvers.engines import UNIFORM_FUSED, Capabilities, EngineResult
+from bakron.solvers.engines import (COUNT_NONFINITE, FACTOR_SCAN, QUIET_BLAS, STACK_THREADS,
+                                    UNIFORM_FUSED, Capabilities, EngineResult)
+from bakron.solvers.options import NumbaOptions
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT, Block,
                                      RecursionPlan, two_level)
 
 NAME = "numba"
 CAPABILITIES = Capabilities(methods=("antidiagonal", "recursive", "wavefront"),
                             variants=("accumulator", "direct"), namespaces=("numpy",),
-                            quantizers=UNIFORM_FUSED)
+                            quantizers=UNIFORM_FUSED,
+                            hooks=(QUIET_BLAS, COUNT_NONFINITE, FACTOR_SCAN, STACK_THREADS))
 
-#: Panel width (elements) of the triangular products: the zero triangle of a unit-triangular
-#: block is skipped except inside the diagonal panels. Measured: see docs/engines.md.
-PANEL = 64
-
-#: Side of the base block in elements that ``auto_base`` aims at. Measured: docs/engines.md.
-BASE_ELEMENTS = 128
+# Tuning (``NumbaOptions``, read from the problem: ``p.options_for(NumbaOptions)``): the
+# panel width of the triangular products (``panel``), the base block's side in elements for
+# ``base=None`` (``base_elements``), the wavefront's gather pieces (``gather_*``). Measured:
+# docs/engines.md.
 
 _kernel_module = None
 
@@ -202,29 +202,19 @@ def wavefront_table(rows: list, cols: list, base: int, two_sided: bool):
     return tasks, steps
 
 
-#: The wavefront's gathers are cut into pieces of at most ``GATHER_ROWS`` rows of a block
-#: (one-sided: of the whole coarse column) and ``GATHER_K`` columns of the inner dimension,
-#: each a partial product on one thread, summed in a fixed order afterwards
-#: (``gather_table``): large pieces for BLAS, enough of them for many threads, the same sums
-#: on any number of threads. Measured: docs/engines.md, "Many cores".
-GATHER_ROWS = 128
-GATHER_K = 512
-#: A step whose gathers make fewer pieces than ``GATHER_MIN_PIECES`` (the narrow steps, small
-#: layers) halves the targets' height, down to ``GATHER_MIN_ROWS``: a property of the
-#: problem, not of the thread count.
-GATHER_MIN_PIECES = 32
-GATHER_MIN_ROWS = 32
-
-
-def gather_table(tasks, steps, m: int, n: int, two_sided: bool):
+def gather_table(tasks, steps, m: int, n: int, two_sided: bool, opts: NumbaOptions = None):
     """The gathers of ``run_wavefront`` as tables, step after step.
 
     Step ``s`` gathers the offsets of its blocks from every block solved before:
     two-sided ``F_AB = Y[A, cB] + Y[A, c0:] A_I[c0:, cB]`` per block (the accumulator
     ``Y = G_O^T Ẽ``; none at step 0), one-sided ``F[:, cB] = E[:, c1:] A_I[c1:, cB]`` for the
-    step's coarse column. Each is cut into *targets* of at most ``GATHER_ROWS`` rows (fewer
-    while the step has under ``GATHER_MIN_PIECES`` pieces, down to ``GATHER_MIN_ROWS``),
-    each target's inner dimension into chunks of ``GATHER_K``: the *pieces*.
+    step's coarse column. Each is cut into *targets* of at most ``opts.gather_rows`` rows
+    (fewer while the step has under ``opts.gather_min_pieces`` pieces, down to
+    ``opts.gather_min_rows``: a property of the problem, not of the thread count), each
+    target's inner dimension into chunks of ``opts.gather_k``: the *pieces*, each a partial
+    product on one thread, summed in a fixed order afterwards: large pieces for BLAS, enough
+    of them for many threads, the same sums on any number of threads (docs/engines.md,
+    "Many cores"). ``opts``: the ``NumbaOptions`` (default: ``NumbaOptions()``).
 
     Returns ``gt`` (targets: ``[r0, r1, c0, c1, q0, q1]``, their pieces ``gp[q0:q1]``),
     ``gsteps`` (step ``s``'s targets are ``gt[gsteps[s]:gsteps[s + 1]]``), ``gp`` (pieces:
@@ -232,6 +222,8 @@ def gather_table(tasks, steps, m: int, n: int, two_sided: bool):
     buffer, from the step's start), ``psteps`` (the same for pieces) and the scratch size
     in elements (the largest step's).
     """
+    opts = NumbaOptions() if opts is None else opts
+    gk = opts.gather_k
     gt, gp, gsteps, psteps, size = [], [], [0], [0], 0
     for s in range(len(steps) - 1):
         blocks = tasks[steps[s]:steps[s + 1]]
@@ -240,16 +232,16 @@ def gather_table(tasks, steps, m: int, n: int, two_sided: bool):
         else:
             c0, c1 = int(blocks[0, 2]), int(blocks[0, 3])
             spans = [(0, m, c0, c1, c1)] if c1 < n else []
-        h = GATHER_ROWS
-        while h > GATHER_MIN_ROWS and _piece_count(spans, h, n) < GATHER_MIN_PIECES:
+        h = opts.gather_rows
+        while h > opts.gather_min_rows and _piece_count(spans, h, n, gk) < opts.gather_min_pieces:
             h //= 2
         off = 0
         for r0, r1, c0, c1, k0 in spans:
             for a in range(int(r0), int(r1), h):
                 b = min(a + h, int(r1))
                 q0 = len(gp)
-                for k in range(int(k0), n, GATHER_K):
-                    gp.append((len(gt), k, min(k + GATHER_K, n), off))
+                for k in range(int(k0), n, gk):
+                    gp.append((len(gt), k, min(k + gk, n), off))
                     off += (b - a) * int(c1 - c0)
                 gt.append((a, b, int(c0), int(c1), q0, len(gp)))
         size = max(size, off)
@@ -260,19 +252,22 @@ def gather_table(tasks, steps, m: int, n: int, two_sided: bool):
             max(size, 1))
 
 
-def _piece_count(spans, h: int, n: int) -> int:
-    """Pieces of the gathers ``spans`` with targets ``h`` rows high (``gather_table``)."""
-    return sum(-(-(int(r1) - int(r0)) // h) * -(-(n - int(k0)) // GATHER_K)
+def _piece_count(spans, h: int, n: int, gk: int) -> int:
+    """Pieces of the gathers ``spans`` with targets ``h`` rows high and chunks of ``gk``
+    (``gather_table``)."""
+    return sum(-(-(int(r1) - int(r0)) // h) * -(-(n - int(k0)) // gk)
                for r0, r1, _, _, k0 in spans)
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_wavefront(m: int, n: int, tx: int, ty: int, base: int, two: bool):
+def _cached_wavefront(m: int, n: int, tx: int, ty: int, base: int, two: bool,
+                      opts: NumbaOptions):
+    """The wavefront's tables, built once per shape and options."""
     from bakron.solvers.schedule import tile_edges
 
     rows, cols = tile_edges(m, tx), tile_edges(n, ty)
     tasks, steps = wavefront_table(rows, cols, base, two)
-    return (tasks, steps) + gather_table(tasks, steps, m, n, two)
+    return (tasks, steps) + gather_table(tasks, steps, m, n, two, opts)
 
 
 def run(p, method: str, base: int, variant: str) -> EngineResult:
@@ -286,6 +281,7 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
 
 def _run(p, method: str, base: int, variant: str) -> EngineResult:
     K = _kernels()
+    opts = p.options_for(NumbaOptions)
     io = _Operands(p)                          # inputs, outputs and grid of the kernels
     two = io.AO is not None
     AO = io.AO if two else io.dummy
@@ -306,7 +302,7 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
         return io.result()
     if method == "wavefront":
         tasks, steps, gt, gsteps, gp, psteps, size = _cached_wavefront(
-            p.m, p.n, p.tx, p.ty, int(base), two)
+            p.m, p.n, p.tx, p.ty, int(base), two, opts)
         FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets of unsolved blocks, then errors
         Y = np.zeros((p.m, p.n), dtype=io.dtype) if two else io.dummy  # G_O^T Ẽ
         part = np.empty(size, dtype=io.dtype)      # the gathers' partial products
@@ -322,7 +318,7 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
     FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets F of unsolved blocks, errors E of solved
     buf = np.empty(max(scratch, 1), dtype=io.dtype)
     K.run_plan(ops, io.W, FE, AO, io.AI, two, io.Wq, io.codes, io.T, io.record_targets, buf,
-               p.tx, p.ty, PANEL, *io.grid())
+               p.tx, p.ty, opts.panel, *io.grid())
     return io.result()
 
 
@@ -442,9 +438,10 @@ def _scan_rows(kernel: str, X, *args):
 
 
 def auto_base(p) -> int:
-    """Base-block size in tiles for ``base=None``: a block of about ``BASE_ELEMENTS``
-    elements a side (tiles ``t_x x t_y`` count as ``sqrt(t_x t_y)``)."""
-    return max(1, int(round(BASE_ELEMENTS / float(np.sqrt(p.tx * p.ty)))))
+    """Base-block size in tiles for ``base=None``: a block of about ``base_elements``
+    (``NumbaOptions``) elements a side (tiles ``t_x x t_y`` count as ``sqrt(t_x t_y)``)."""
+    be = p.options_for(NumbaOptions).base_elements
+    return max(1, int(round(be / float(np.sqrt(p.tx * p.ty)))))
 
 
 #: ``method="auto"`` takes the anti-diagonal accumulator for two-sided problems with tiles of

@@ -12,6 +12,7 @@ from ._validate import (check_array_kind, check_damp, check_factor_shape, check_
 from .factors import Factor, check_shrink, prepare_factor
 from .quantizers import UniformQuantizer
 from .solvers import SolveResult, solve
+from .solvers.options import as_options
 
 __all__ = ["proxy_error", "quantize_layer", "LayerResult", "METRICS"]
 
@@ -125,7 +126,7 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
                    damp: float = 0.01, symmetric: bool = True, granularity: str = "row",
                    group_size: int | None = None, scale_method: str = "rms",
                    metrics: str = "full", progress=None, damp_out: float | None = None,
-                   shrink_out: float = 0.0) -> LayerResult:
+                   shrink_out: float = 0.0, options=None) -> LayerResult:
     """Quantize one linear layer from its Hessian factors.
 
     Parameters
@@ -144,8 +145,9 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
         A :class:`UniformQuantizer` or a tile quantizer. When omitted, a uniform grid of
         ``bits`` bits is fitted to W (``symmetric``, ``granularity``, ``group_size``,
         ``scale_method`` as in :meth:`UniformQuantizer.fit`).
-    tile, method, engine
-        As in :func:`bakron.solve`.
+    tile, method, engine, options
+        As in :func:`bakron.solve` (``options``: :class:`bakron.CudaOptions`,
+        :class:`bakron.NumbaOptions` or a sequence of them).
     damp : float
         Relative damping of both factors (escalated if needed; see :func:`prepare_factor`).
     damp_out, shrink_out : float, optional
@@ -167,6 +169,7 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     """
     if metrics not in METRICS:
         raise ValueError(f"metrics must be one of {METRICS}, got {metrics!r}")
+    options = as_options(options)  # checked before the factors are prepared
     say = progress if callable(progress) else (lambda msg: None)
     prep = _prepare(W, H_in, H_out, quantizer=quantizer, bits=bits, tile=tile, damp=damp,
                     symmetric=symmetric, granularity=granularity, group_size=group_size,
@@ -175,7 +178,7 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     (tx, ty), (m, n) = prep.tile, prep.W.shape
     say(f"solving ({m} x {n}, tile {tx}x{ty})")
     res = solve(prep.W, feedback(prep.f_out), prep.f_in.A, prep.quantizer, tile=prep.tile,
-                method=method, engine=engine)
+                method=method, engine=engine, options=options)
     return _layer_result(prep, res, metrics=metrics, say=say)
 
 

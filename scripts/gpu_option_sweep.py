@@ -4,9 +4,10 @@
     BAKRON_CUDA_PER_THREAD=2 python scripts/gpu_option_sweep.py float32 \\
         1024x1024,4096x4096 [--stacks]
 
-The engine reads its options (``BAKRON_CUDA_MAXREG``, ``BAKRON_CUDA_PER_THREAD``,
-``BAKRON_CUDA_STEP``, ...; ``backends/numba_cuda.py``) at import, so a sweep runs this script
-once per setting. Per size: the median solver time of 11 float32/float64 two-sided solves
+The environment variables (``BAKRON_CUDA_MAXREG``, ``BAKRON_CUDA_PER_THREAD``,
+``BAKRON_CUDA_STEP``, ...) set the defaults of :class:`bakron.CudaOptions`, which every solve
+here runs with; a sweep runs this script once per setting (a fresh process: fresh kernels and
+caches). Per size: the median solver time of 11 float32/float64 two-sided solves
 (``SolveResult.seconds``; the problem of ``bakron.benchmarks.gpu``), the floor product
 ``G_Oᵀ W G_I`` in the same process, the cooperative grid of each kernel variant used and a
 checksum of Ŵ (equal checksums across settings: same results). ``--stacks`` adds the stacks
@@ -34,8 +35,9 @@ def main(argv=None) -> int:
     from bakron.backends import numba_cuda as NC
     from bakron.benchmarks.gpu import Env, make_problem, solve_cuda, timeit
     env = Env()
-    tag = (f"{a.dtype} maxreg={NC.MAXREG} per_thread={NC.PER_THREAD} step={NC.STEP} "
-           f"stack_base={NC.STACK_BASE} base={a.base}")
+    o = bakron.CudaOptions.defaults()
+    tag = (f"{a.dtype} maxreg={o.maxreg} per_thread={o.per_thread} step={o.step} "
+           f"stack_base={o.stack_base} base={a.base}")
     for sz in filter(None, a.sizes.split(",")):
         m, n = map(int, sz.split("x"))
         W, AO, AI, q = make_problem(env, m, n, 16, 1)

@@ -109,51 +109,61 @@ def test_sim_engine_available_and_capabilities():
 
 @pytest.fixture(params=["running", "chain"])
 def step(request, monkeypatch):
-    """Both tile steps of the kernel (``numba_cuda.STEP``; ``auto`` picks running sums only
-    for blocks longer than one K-chunk, which the simulator's tiny problems never have)."""
-    from bakron.backends import numba_cuda
-    monkeypatch.setattr(numba_cuda, "STEP", request.param)
+    """Both tile steps of the kernel (``CudaOptions.step``, here through the variable that
+    sets its default; ``auto`` picks running sums only for blocks longer than one K-chunk,
+    which the simulator's tiny problems never have)."""
+    monkeypatch.setenv("BAKRON_CUDA_STEP", request.param)
+    assert bakron.CudaOptions.defaults().step == request.param
     return request.param
 
 
 @sim_only
 def test_sim_step_option_is_checked(monkeypatch):
-    """An unknown ``BAKRON_CUDA_STEP`` is a named error, not a silent choice of step."""
-    from bakron.backends import numba_cuda
-    monkeypatch.setattr(numba_cuda, "STEP", "fast")
+    """An unknown ``BAKRON_CUDA_STEP`` (or ``CudaOptions.step``) is a named error, not a
+    silent choice of step."""
+    monkeypatch.setenv("BAKRON_CUDA_STEP", "fast")
     W, AO, AI, q = _problem(0, 8, 6, 2, 2)
     with pytest.raises(ValueError, match="BAKRON_CUDA_STEP .* must be 'auto', 'running' or"):
         bakron.solve(W, AO, AI, q, tile=2, method="antidiagonal", engine="cuda")
+    monkeypatch.delenv("BAKRON_CUDA_STEP")
+    with pytest.raises(ValueError, match="CudaOptions.step must be 'auto', 'running' or"):
+        bakron.CudaOptions(step="fast")
 
 
 @sim_only
 def test_sim_per_thread_option_is_checked(monkeypatch):
-    """A bad ``BAKRON_CUDA_PER_THREAD`` is a named error; 0 picks 2 elements per thread for
-    running sums and 1 for whole sums."""
+    """A bad ``BAKRON_CUDA_PER_THREAD`` (or ``CudaOptions.per_thread``) is a named error; 0
+    picks 2 elements per thread for running sums and 1 for whole sums."""
     from bakron.backends import numba_cuda
-    assert (numba_cuda.per_thread(True), numba_cuda.per_thread(False)) == (2, 1)
+    o = bakron.CudaOptions()
+    assert (numba_cuda.per_thread(o, True), numba_cuda.per_thread(o, False)) == (2, 1)
     W, AO, AI, q = _problem(0, 8, 6, 2, 2)
     for bad in ("-1", "two"):
-        monkeypatch.setattr(numba_cuda, "PER_THREAD", bad)
+        monkeypatch.setenv("BAKRON_CUDA_PER_THREAD", bad)
         with pytest.raises(ValueError,
                            match=r"BAKRON_CUDA_PER_THREAD .* must be an integer >= 0"):
             bakron.solve(W, AO, AI, q, tile=2, method="antidiagonal", engine="cuda")
+    for bad in (-1, "2", 1.0):
+        with pytest.raises(ValueError, match=r"CudaOptions.per_thread must be an integer >= 0"):
+            bakron.CudaOptions(per_thread=bad)
 
 
 @sim_only
-@pytest.mark.parametrize("name,low", [("BAKRON_CUDA_MAXREG", 0), ("BAKRON_CUDA_STACK_BASE", 1)])
-def test_sim_integer_options_are_checked(monkeypatch, name, low):
-    """The engine's integer options read at import: a value that is not an integer, or is
-    too small, is an error naming the variable."""
-    from bakron.backends import numba_cuda
+@pytest.mark.parametrize("name,field,low", [("BAKRON_CUDA_MAXREG", "maxreg", 0),
+                                            ("BAKRON_CUDA_STACK_BASE", "stack_base", 1)])
+def test_sim_integer_options_are_checked(monkeypatch, name, field, low):
+    """The variables that set the integer options' defaults: a value that is not an
+    integer, or is too small, is an error naming the variable (and the field)."""
     monkeypatch.setenv(name, "12")
-    assert numba_cuda._int_option(name, 4, low) == 12
+    assert getattr(bakron.CudaOptions.defaults(), field) == 12
     monkeypatch.delenv(name)
-    assert numba_cuda._int_option(name, 4, low) == 4
+    assert getattr(bakron.CudaOptions.defaults(), field) == \
+        getattr(bakron.CudaOptions(), field)
     for bad in ("x", str(low - 1)):
         monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=f"{name} must be an integer >= {low}"):
-            numba_cuda._int_option(name, 4, low)
+        with pytest.raises(ValueError, match=rf"{name} \(CudaOptions.{field}\) must be an "
+                                             rf"integer >= {low}"):
+            bakron.CudaOptions.defaults()
 
 
 @sim_only
@@ -162,14 +172,14 @@ def test_sim_elements_per_thread_keep_results_exact(ref_case, monkeypatch, step_
     """Fewer threads per tile (each holding ``per`` of its elements) give the reference
     case's result exactly, for both steps (the defaults, 2 and 1, run in the tests above)."""
     from bakron.backends import _cuda_kernels, numba_cuda
-    monkeypatch.setattr(numba_cuda, "STEP", step_name)
-    monkeypatch.setattr(numba_cuda, "PER_THREAD", str(per))
-    assert numba_cuda.kernel_variant("float64", 16, 16, False, step_name == "running")[1] == \
+    opts = bakron.CudaOptions(step=step_name, per_thread=per)
+    assert numba_cuda.kernel_variant("float64", 16, 16, False, step_name == "running",
+                                     opts=opts)[1] == \
         _cuda_kernels.threads_for(16, 16, per) == 256 // per
     path = [p for p in REFERENCE_CASES if p.endswith("pub_48x80_t16_b4.npz")][0]
     d = ref_case(path)
     q = bakron.UniformQuantizer(int(d["bits"]), float(d["scale"]))
-    r = _cuda(d["W"], d["L_out"], d["L_in"], q, (16, 16), "antidiagonal", None)
+    r = _cuda(d["W"], d["L_out"], d["L_in"], q, (16, 16), "antidiagonal", None, options=opts)
     np.testing.assert_array_equal(r.values, d["hatW"])
 
 
@@ -413,7 +423,12 @@ def test_sim_fused_stack_checks_decide_as_the_passes(monkeypatch):
 
     calls, order = [], []
 
+    from bakron.solvers import engines
+
     class Fused:  # the GPU engine's checks, on the simulator's numpy arrays
+        CAPABILITIES = engines.Capabilities(methods=("antidiagonal",),
+                                            hooks=(engines.STACK_CHECKS,))
+
         @staticmethod
         def stack_checks(arrays, blocks):
             calls.append(sorted(arrays))
@@ -456,11 +471,12 @@ def test_sim_launch_period_of_equal_blocks(monkeypatch):
     O(1)); blocks that repeat a pattern get its length; results stay those of the CPU path,
     ragged edges (no period) included."""
     from bakron.backends import numba_cuda as nc
-    assert nc._period([(4, 4)] * 6) == 1
-    assert nc._period([(4, 4), (4, 2)] * 3) == 2
-    assert nc._period([(4, 4), (4, 4), (4, 2)]) == 3
-    assert nc._period([(4, 4), (4, 2), (4, 4), (4, 4)]) == 4
-    assert nc._period([]) == 1
+    from bakron.backends._cuda_plans import _period
+    assert _period([(4, 4)] * 6) == 1
+    assert _period([(4, 4), (4, 2)] * 3) == 2
+    assert _period([(4, 4), (4, 4), (4, 2)]) == 3
+    assert _period([(4, 4), (4, 2), (4, 4), (4, 4)]) == 4
+    assert _period([]) == 1
     seen = []
     params = nc._DeviceSolve.params
 
@@ -488,22 +504,20 @@ def test_sim_launch_period_of_equal_blocks(monkeypatch):
 @pytest.mark.parametrize("m,n", [(16, 16), (13, 15)])
 def test_sim_split_gemms_leave_out_only_zeros(monkeypatch, m, n):
     """The wavefront's gathers split along K (partial products summed by a small kernel) and
-    its scatters split by output rows (``GATHER_TILES``, ``GATHER_SPLIT_MAX``,
-    ``SCATTER_ROWS``) give the results of the unsplit GEMMs (float64: the values and codes
+    its scatters split by output rows (``CudaOptions.gather_tiles``, ``gather_split``,
+    ``scatter_rows``) give the results of the unsplit GEMMs (float64: the values and codes
     of the array-API path; targets to rounding), ragged tiles and chunks included, with fewer
     multiply-adds: only products with zeros of the factors are left out."""
     from bakron.backends import numba_cuda as nc
     W, AO, AI, q = _problem(7, m, n, 2, 2)
     ref = bakron.solve(W, AO, AI, q, tile=(2, 2), engine="array_api", method="naive",
                        return_targets=True)
-    monkeypatch.setattr(nc, "GATHER_MIN_SIDE", 1)  # blocks of 4 x 4 here
+    o1 = bakron.CudaOptions(gather_min_side=1)  # blocks of 4 x 4 here
     macs = {}
     for name, tiles, split, rows in (("unsplit", 0, 8, 0), ("partials in 3", 512, 3, 0),
                                      ("partials and rows", 512, 8, 1), ("rows by 2", 0, 8, 2)):
-        monkeypatch.setattr(nc, "GATHER_TILES", tiles)
-        monkeypatch.setattr(nc, "GATHER_SPLIT_MAX", split)
-        monkeypatch.setattr(nc, "SCATTER_ROWS", rows)
-        r = _cuda(W, AO, AI, q, (2, 2), "wavefront", 2, return_targets=True)
+        o = o1.with_(gather_tiles=tiles, gather_split=split, scatter_rows=rows)
+        r = _cuda(W, AO, AI, q, (2, 2), "wavefront", 2, return_targets=True, options=o)
         np.testing.assert_array_equal(r.values, ref.values, err_msg=name)
         np.testing.assert_array_equal(r.codes, ref.codes, err_msg=name)
         np.testing.assert_allclose(r.targets, ref.targets, rtol=1e-12, atol=1e-12,
@@ -519,20 +533,17 @@ def test_sim_split_gemms_leave_out_only_zeros(monkeypatch, m, n):
     assert all(v < unsplit for v in macs.values()), (unsplit, macs)
     assert macs["partials and rows"] < macs["partials in 3"]
     # a stack's items split as their single solves do (the rule looks at one item), so
-    # they equal them bitwise; blocks narrower than GATHER_MIN_SIDE are not split
-    monkeypatch.setattr(nc, "GATHER_TILES", 512)
-    monkeypatch.setattr(nc, "SCATTER_ROWS", 1)
+    # they equal them bitwise; blocks narrower than gather_min_side are not split
     Ws, AOs, AIs, qs = _stack(3, 3, m, n, 2, 2)
     res = bakron.solve(Ws, AOs, AIs, qs, tile=(2, 2), engine="cuda", method="wavefront",
-                       base=2)
+                       base=2, options=o1)
     assert res.info["stack"]["path"] == "engine solve_stack"
     for i in range(3):
-        one = _cuda(Ws[i], AOs[i], AIs[i], qs[i], (2, 2), "wavefront", 2)
+        one = _cuda(Ws[i], AOs[i], AIs[i], qs[i], (2, 2), "wavefront", 2, options=o1)
         np.testing.assert_array_equal(res.values[i], one.values, err_msg=f"item {i}")
         np.testing.assert_array_equal(res.codes[i], one.codes, err_msg=f"item {i}")
     assert nc._PLANS[("wavefront", 2, m, n, 2, 2, True, 0, True, 512, 1, 8, 1)].slices > 1
-    monkeypatch.setattr(nc, "GATHER_MIN_SIDE", 5)
-    _cuda(W, AO, AI, q, (2, 2), "wavefront", 2)
+    _cuda(W, AO, AI, q, (2, 2), "wavefront", 2, options=o1.with_(gather_min_side=5))
     assert nc._PLANS[("wavefront", 2, m, n, 2, 2, True, 0, True, 512, 5, 8, 1)].slices == 0
 
 
@@ -773,8 +784,9 @@ def _stack(seed, B, m, n, tx, ty, *, two_sided=True, shared_in=False, shared_out
 
 
 def _ns(**kw):
+    """A stand-in for a ``Problem`` with the given sizes (its options: the defaults)."""
     import types
-    return types.SimpleNamespace(**kw)
+    return types.SimpleNamespace(options_for=lambda cls: cls.defaults(), **kw)
 
 
 def _item(A, i):
@@ -880,15 +892,15 @@ def test_sim_stack_wavefront_batched_gemms(two_sided, base):
 @sim_only
 @pytest.mark.parametrize("two_sided", [True, False])
 def test_sim_blocks_per_cta_equal_grid_steps(monkeypatch, two_sided):
-    """Launches of at least ``LOCAL_BLOCKS`` blocks take the kernel that solves whole blocks
+    """Launches of at least ``CudaOptions.local_blocks`` blocks take the kernel that solves whole blocks
     per CTA (steps separated by ``syncthreads``): a stack's wavefront and anti-diagonal
     (ragged tiles, per-item A_out, A_in shared) and single solves give bitwise the results
     of the grid-wide steps and of the array-API reference."""
     from bakron.backends import numba_cuda as nc
-    monkeypatch.setattr(nc, "LOCAL_BLOCKS", 64)  # the defaults, whatever the environment
-    monkeypatch.setattr(nc, "LOCAL_TILES", 16)
-    assert nc._local(64, (4, 4)) and nc._local(500, (2, 8))
-    assert not nc._local(63, (4, 4)) and not nc._local(64, (16, 16))  # whole 256² items
+    o = bakron.CudaOptions()  # the defaults, whatever the environment
+    assert (o.local_blocks, o.local_tiles) == (64, 16)
+    assert nc._local(o, 64, (4, 4)) and nc._local(o, 500, (2, 8))
+    assert not nc._local(o, 63, (4, 4)) and not nc._local(o, 64, (16, 16))  # whole 256² items
     W, AO, AI, qs = _stack(7, 3, 9, 7, 2, 3, two_sided=two_sided, shared_in=True)
     used = []
     variant = nc.kernel_variant
@@ -896,16 +908,18 @@ def test_sim_blocks_per_cta_equal_grid_steps(monkeypatch, two_sided):
     def spy(*args, **kw):
         used.append(bool(kw.get("local", args[5] if len(args) > 5 else False)))
         return variant(*args, **kw)
-    monkeypatch.setattr(nc, "kernel_variant", spy)
+    from bakron.backends import _cuda_runtime
+    monkeypatch.setattr(_cuda_runtime, "kernel_variant", spy)  # where the run context looks
     runs = {}
     for local in (0, 2):
-        monkeypatch.setattr(nc, "LOCAL_BLOCKS", local)
+        ol = o.with_(local_blocks=local)
         used.clear()
         stack = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="wavefront",
-                             base=2)
-        one = _cuda(W[1], _item(AO, 1), AI, qs[1], (2, 3), "wavefront", 2)
+                             base=2, options=ol)
+        one = _cuda(W[1], _item(AO, 1), AI, qs[1], (2, 3), "wavefront", 2, options=ol)
         # an anti-diagonal stack of items of 5 x 3 tiles: one block per item
-        whole = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="antidiagonal")
+        whole = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="antidiagonal",
+                             options=ol)
         runs[local] = (stack, one, whole, list(used))
     assert not any(runs[0][3]) and any(runs[2][3])
     assert "each CTA solves whole items" in runs[2][2].info["stack_run"]
@@ -924,23 +938,23 @@ def test_sim_whole_sums_deeper_than_one_chunk(monkeypatch):
     """The step without running sums forms a tile's sums in K-chunks of ``chunk_for`` (64)
     and multiplies only each chunk's depth (in runs of 8): sums 72 deep (two chunks, the
     second ragged) give the array-API reference's values and codes exactly (float64)."""
-    from bakron.backends import numba_cuda as nc
-    monkeypatch.setattr(nc, "STEP", "chain")
     W, AO, AI, q = _problem(11, 80, 76, 8, 8)
     ref = _ref(W, AO, AI, q, (8, 8))
-    r = _cuda(W, AO, AI, q, (8, 8), "antidiagonal")
+    r = _cuda(W, AO, AI, q, (8, 8), "antidiagonal", options=bakron.CudaOptions(step="chain"))
     np.testing.assert_array_equal(r.values, ref.values)
     np.testing.assert_array_equal(r.codes, ref.codes)
 
 
 @sim_only
 def test_sim_stack_base_follows_item_size(monkeypatch):
-    """``base=None`` on a stack: ``STACK_BASE`` tiles for items below ``STACK_LARGE`` tiles a
+    """``base=None`` on a stack: ``CudaOptions.stack_base`` tiles for items below ``STACK_LARGE`` tiles a
     side, the single layer's ``DEFAULT_BASE`` from there on (lowered here so that a small
     stack crosses it); the items still equal their single solves."""
     from bakron.backends import numba_cuda as nc
-    assert nc.stack_base(_ns(M=255, N=255)) == nc.STACK_BASE
-    assert nc.stack_base(_ns(M=8, N=256)) == nc.stack_base(_ns(M=256, N=8)) == nc.DEFAULT_BASE
+    o = bakron.CudaOptions.defaults()
+    assert nc.stack_base(_ns(M=255, N=255), o) == o.stack_base
+    assert nc.stack_base(_ns(M=8, N=256), o) == nc.stack_base(_ns(M=256, N=8), o) == \
+        nc.DEFAULT_BASE
     W, AO, AI, qs = _stack(8, 2, 9, 7, 2, 3)  # 5 x 3 tiles
     monkeypatch.setattr(nc, "STACK_LARGE", 5)
     monkeypatch.setattr(nc, "DEFAULT_BASE", 2)
@@ -948,20 +962,23 @@ def test_sim_stack_base_follows_item_size(monkeypatch):
     assert res.info["stack"]["path"] == "engine solve_stack" and res.info["base"] == 2
     monkeypatch.setattr(nc, "STACK_LARGE", 6)
     res6 = bakron.solve(W, AO, AI, qs, tile=(2, 3), engine="cuda", method="wavefront")
-    assert res6.info["base"] == nc.STACK_BASE
+    assert res6.info["base"] == o.stack_base
     _check_items(res, W, AO, AI, qs, (2, 3))
     np.testing.assert_array_equal(res.values, res6.values)
 
 
 @sim_only
 def test_sim_stack_option_off_declines(monkeypatch):
-    """``STACK = False`` (``BAKRON_CUDA_STACK=0``): every stack runs item by item."""
-    from bakron.backends import numba_cuda as nc
-    monkeypatch.setattr(nc, "STACK", False)
+    """``CudaOptions(stack=False)`` (or ``BAKRON_CUDA_STACK=0``): every stack runs item by
+    item."""
     W, AO, AI, qs = _stack(7, 2, 5, 5, 2, 2)
-    res = bakron.solve(W, AO, AI, qs, tile=2, engine="cuda", method="antidiagonal")
+    res = bakron.solve(W, AO, AI, qs, tile=2, engine="cuda", method="antidiagonal",
+                       options=bakron.CudaOptions(stack=False))
     assert res.info["stack"]["path"] == "items one by one" and "stack_run" not in res.info
     _check_items(res, W, AO, AI, qs, (2, 2))
+    monkeypatch.setenv("BAKRON_CUDA_STACK", "0")
+    res = bakron.solve(W, AO, AI, qs, tile=2, engine="cuda", method="antidiagonal")
+    assert res.info["stack"]["path"] == "items one by one"
 
 
 @sim_only
@@ -1044,14 +1061,15 @@ def test_gpu_stack_wavefront_equals_items_float64(two_sided, base):
     res = bakron.solve(Wd, AOd, AId, qs, tile=16, engine="cuda", method="wavefront",
                        base=base)
     assert res.info["stack"]["path"] == "engine solve_stack"
-    assert res.info["base"] == (nc.STACK_BASE if base is None else base)  # 10 x 6 tiles
+    stack_base = bakron.CudaOptions.defaults().stack_base
+    assert res.info["base"] == (stack_base if base is None else base)  # 10 x 6 tiles
     got, codes = cp.asnumpy(res.values), cp.asnumpy(res.codes)
     for i in range(5):
         # base=None: the stack's coarse blocks are STACK_BASE tiles (the single-layer rule
         # picks its own); compare with single solves of the same blocks
         one = bakron.solve(Wd[i], None if AOd is None else AOd[i], AId, qs[i], tile=16,
                            engine="cuda", method="wavefront",
-                           base=nc.STACK_BASE if base is None else base)
+                           base=stack_base if base is None else base)
         if i == 0:
             assert (res.info["launches"], res.info["gemms"]) == (one.info["launches"],
                                                                  one.info["gemms"])

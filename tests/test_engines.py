@@ -67,6 +67,20 @@ def test_every_engine_satisfies_the_contract():
         caps = eng.CAPABILITIES
         assert caps.methods and set(caps.methods) <= set(bakron.solvers.METHODS) - {"auto"}
         assert set(caps.dtypes) <= {"float32", "float64"}
+        # the optional hooks: every declared one is there, and an engine that has a hook
+        # declares it (solve and the stack layer call only declared hooks)
+        for hook in engines.HOOKS:
+            assert caps.has(hook) == callable(vars(eng).get(hook)), (name, hook)
+
+
+def test_capability_table_refuses_unknown_hooks():
+    with pytest.raises(ValueError, match="unknown hook.*'solve_stak'"):
+        engines.Capabilities(methods=("recursive",), hooks=("solve_stak",))
+    caps = engines.Capabilities(methods=("recursive",), hooks=[engines.COUNT_NONFINITE])
+    assert caps.has(engines.COUNT_NONFINITE) and not caps.has(engines.SOLVE_STACK)
+    assert not engines.offers(None, engines.COUNT_NONFINITE)
+    with pytest.raises(ValueError, match="unknown hook"):
+        caps.has("count_nan")
 
 
 @pytest.mark.parametrize("name", ENGINE_NAMES)

@@ -407,7 +407,7 @@ def test_wavefront_is_the_same_on_any_number_of_threads():
 @pytest.mark.parametrize("gather", [None, (20, 50)])
 def test_wavefront_pieces_split_gathers_and_scatters_exactly(monkeypatch, gather):
     """Matrices taller than ``SCATTER_ROWS``, and gathers cut into several targets per block
-    (``GATHER_ROWS``) and several partial products per target (``GATHER_K``), summed
+    (``NumbaOptions.gather_rows``) and several partial products per target (``gather_k``), summed
     afterwards: the scatters run in several row pieces (the identity of a scatter inside
     one of them); Ŵ and codes equal the recursion's in float64, targets up to order, with
     BLAS set to one thread (one call per piece) and without (pieces split along k), on 1
@@ -415,9 +415,8 @@ def test_wavefront_pieces_split_gathers_and_scatters_exactly(monkeypatch, gather
     import numba
 
     K = nc._kernels()
-    if gather is not None:
-        monkeypatch.setattr(nc, "GATHER_ROWS", gather[0])
-        monkeypatch.setattr(nc, "GATHER_K", gather[1])
+    opts = bakron.NumbaOptions() if gather is None else bakron.NumbaOptions(
+        gather_rows=gather[0], gather_k=gather[1])
     nc._cached_wavefront.cache_clear()
     tile, base = (16, 8), 3
     try:
@@ -426,7 +425,7 @@ def test_wavefront_pieces_split_gathers_and_scatters_exactly(monkeypatch, gather
             assert W.shape[0] > 2 * K.SCATTER_ROWS
             tasks, steps = nc.wavefront_table(list(range(0, 301, 16)) + [300],
                                               list(range(0, 265, 8)), base, two_sided)
-            gt, _, gp, _, _ = nc.gather_table(tasks, steps, 300, 264, two_sided)
+            gt, _, gp, _, _ = nc.gather_table(tasks, steps, 300, 264, two_sided, opts)
             if gather is not None:  # several targets per block and pieces per target
                 assert (gt[:, 5] - gt[:, 4]).max() > 1
                 assert (gt[:, 1] - gt[:, 0]).min() < base * tile[0]
@@ -441,7 +440,8 @@ def test_wavefront_pieces_split_gathers_and_scatters_exactly(monkeypatch, gather
                     numba.set_num_threads(t)
                     try:
                         r = bakron.solve(W, AO, f_in.A, q, tile=tile, method="wavefront",
-                                         base=base, engine="numba", return_targets=True)
+                                         base=base, engine="numba", return_targets=True,
+                                         options=opts)
                     finally:
                         numba.set_num_threads(before)
                     np.testing.assert_array_equal(r.values, rec.values)
@@ -460,6 +460,7 @@ def test_gather_table_covers_every_product_once():
     from bakron.solvers.schedule import tile_edges
 
     m, n = 70, 45
+    o = bakron.NumbaOptions()
     rows, cols = tile_edges(m, 8), tile_edges(n, 4)
     for two in (True, False):
         tasks, steps = nc.wavefront_table(rows, cols, 3, two)
@@ -470,15 +471,15 @@ def test_gather_table_covers_every_product_once():
             cover = np.zeros((m, n, n), int)  # (row, output column, inner index)
             used = np.zeros(size, int)
             for r0, r1, c0, c1, q0, q1 in gt[gsteps[s]:gsteps[s + 1]]:
-                assert r1 - r0 <= nc.GATHER_ROWS
+                assert r1 - r0 <= o.gather_rows
                 for t, k0, k1, off in gp[q0:q1]:
-                    assert k1 - k0 <= nc.GATHER_K and psteps[s] <= q0 and q1 <= psteps[s + 1]
+                    assert k1 - k0 <= o.gather_k and psteps[s] <= q0 and q1 <= psteps[s + 1]
                     cover[r0:r1, c0:c1, k0:k1] += 1
                     used[off:off + (r1 - r0) * (c1 - c0)] += 1
             assert used.max(initial=0) <= 1
             step = gt[gsteps[s]:gsteps[s + 1]]
-            if 0 < psteps[s + 1] - psteps[s] < nc.GATHER_MIN_PIECES:  # few pieces: thin targets
-                assert (step[:, 1] - step[:, 0]).max() <= nc.GATHER_MIN_ROWS
+            if 0 < psteps[s + 1] - psteps[s] < o.gather_min_pieces:  # few pieces: thin targets
+                assert (step[:, 1] - step[:, 0]).max() <= o.gather_min_rows
             want = np.zeros_like(cover)
             if two and s > 0:
                 for r0, r1, c0, c1 in blocks:
@@ -616,18 +617,21 @@ def test_wavefront_table_is_the_schedule():
 
 
 def test_gather_targets_are_thin_only_where_pieces_are_few():
-    """Large layers gather whole 128-row blocks (``GATHER_ROWS``) in their wide steps; a
-    512² layer (at most 4 blocks and 4 pieces a step) cuts them to ``GATHER_MIN_ROWS``."""
+    """Large layers gather whole 128-row blocks (``NumbaOptions.gather_rows``) in their wide
+    steps; a 512² layer (at most 4 blocks and 4 pieces a step) cuts them to
+    ``gather_min_rows``."""
     from bakron.solvers.schedule import tile_edges
 
+    o = bakron.NumbaOptions()
+    assert o.gather_rows == 128
     for size, thin_only in ((512, True), (4096, False)):
         e = tile_edges(size, 16)
         tasks, steps = nc.wavefront_table(e, e, 8, True)
         gt, gsteps, gp, psteps, _ = nc.gather_table(tasks, steps, size, size, True)
         heights = gt[:, 1] - gt[:, 0]
-        assert (heights.max() <= nc.GATHER_MIN_ROWS) == thin_only
+        assert (heights.max() <= o.gather_min_rows) == thin_only
         wide = int(np.argmax(np.diff(psteps)))  # the step with most pieces
-        assert np.diff(psteps)[wide] >= (1 if thin_only else nc.GATHER_MIN_PIECES)
+        assert np.diff(psteps)[wide] >= (1 if thin_only else o.gather_min_pieces)
 
 
 def test_auto_rule_takes_the_wavefront_with_threads_and_work(monkeypatch):

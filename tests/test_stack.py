@@ -356,7 +356,8 @@ def test_empty_stack():
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not available")
 def test_engine_solve_stack_hook_is_preferred(monkeypatch):
-    """An engine with ``solve_stack`` gets whole chunks; ``None`` declines to the items."""
+    """An engine whose capability table declares ``solve_stack`` gets whole chunks (an
+    undeclared one is not called); ``None`` declines to the items."""
     W, A_out, A_in = _simple(B=5, m=16, n=16)
     q = bakron.UniformQuantizer(3, 0.5)
     seen = []
@@ -376,11 +377,22 @@ def test_engine_solve_stack_hook_is_preferred(monkeypatch):
             infos.append(dict(r.info, method=r.method, engine=r.engine))
         return infos
 
+    import dataclasses
+
+    from bakron.solvers import engines
+
     monkeypatch.setattr(_nc, "solve_stack", solve_stack_hook, raising=False)
     item_bytes = stack_mod.ITEM_WORK_MN * 16 * 16 * 8
+    # a hook the capability table does not declare is not called
+    res = solve_stack(W, A_out, A_in, q, tile=4, engine="numba", max_bytes=2 * item_bytes)
+    assert seen == [] and res.info["stack"]["path"] == "items one by one"
+    caps = _nc.CAPABILITIES
+    monkeypatch.setattr(_nc, "CAPABILITIES", dataclasses.replace(
+        caps, hooks=caps.hooks | {engines.SOLVE_STACK}))
     res = solve_stack(W, A_out, A_in, q, tile=4, engine="numba", max_bytes=2 * item_bytes)
     assert seen == [(0, 2), (2, 4), (4, 5)]
     assert res.info["stack"]["path"] == "engine solve_stack, items one by one"
+    monkeypatch.setattr(_nc, "CAPABILITIES", caps)
     monkeypatch.delattr(_nc, "solve_stack")
     ref = solve_stack(W, A_out, A_in, q, tile=4, engine="numba")
     np.testing.assert_array_equal(res.values, ref.values)

@@ -28,6 +28,16 @@ import time
 
 import numpy as np
 
+#: the engines' options of every solve of this run (``--option``; ``bakron.solve(options=)``)
+_OPTIONS: tuple = ()
+
+
+def options_for(engine: str):
+    """This run's options object of ``engine`` (``--option``, else the defaults)."""
+    from bakron.solvers.options import OPTION_CLASSES, pick
+
+    return pick(_OPTIONS, OPTION_CLASSES[engine])
+
 __all__ = ["main", "gptq_loop", "floor_product", "make_problem", "cpu_methods",
            "parse_threads_table"]
 
@@ -153,7 +163,7 @@ def run(sizes, repeats=5, dtype="float32", tile=16, bits=2, direct_max=1024,
 
         def solve(method, variant="accumulator", engine="numba", A_out=AO, A_in=AI, t=tile):
             return bakron.solve(W, A_out, A_in, q, tile=t, method=method, variant=variant,
-                                engine=engine)
+                                engine=engine, options=_OPTIONS)
 
         cases = [("floor", lambda: floor_product(GO, W, GI)),
                  ("recursive", lambda: solve("recursive")),
@@ -207,7 +217,8 @@ def run_shapes(shapes, repeats=2, dtype="float32", tile=16, bits=2, budget=60.0,
         times = interleaved({"floor": lambda: floor_product(GO, W, GI),
                               "recursive": lambda: bakron.solve(W, AO, AI, q, tile=tile,
                                                                 method="recursive",
-                                                                engine="numba")},
+                                                                engine="numba",
+                                                                options=_OPTIONS)},
                              repeats, budget)
         for name, ts in times.items():
             row[name] = float(np.median(ts))
@@ -352,7 +363,8 @@ def tune(sizes=(512, 1024, 2048), repeats=5, dtype="float32", log=print) -> str:
     out = []
 
     def solver(W, AO, AI, q, tile, **kw):
-        return lambda: bakron.solve(W, AO, AI, q, tile=tile, engine="numba", **kw)
+        return lambda: bakron.solve(W, AO, AI, q, tile=tile, engine="numba", options=_OPTIONS,
+                                    **kw)
 
     # 1. base size (two-sided), tiles 16 and 8
     for t, bases in ((16, (2, 4, 8, 16, 32)), (8, (4, 8, 16, 32, 64))):
@@ -375,23 +387,18 @@ def tune(sizes=(512, 1024, 2048), repeats=5, dtype="float32", log=print) -> str:
             "(time ÷ floor; 'dense' = no skipping)", "",
             "| n | " + " | ".join("dense" if w == 1 << 30 else str(w) for w in panels) + " |",
             "|---:|" + "---:|" * len(panels)]
-    saved = nc.PANEL
-    try:
-        for n in sizes:
-            P = make_problem(n, n, (16, 16), dt)
-            W, AO, AI = P["W"], P["A_out"], P["A_in"]
-            q = bakron.UniformQuantizer.fit(W, 2)
+    for n in sizes:
+        P = make_problem(n, n, (16, 16), dt)
+        W, AO, AI = P["W"], P["A_out"], P["A_in"]
+        q = bakron.UniformQuantizer.fit(W, 2)
 
-            def with_panel(w):
-                def fn():
-                    nc.PANEL = w
-                    bakron.solve(W, AO, AI, q, tile=16, method="recursive", engine="numba")
-                return fn
-            f, r, _ = _interleave(W, AO, AI, {w: with_panel(w) for w in panels}, repeats)
-            out.append(f"| {n} | " + " | ".join(f"{r[w]:.2f}" for w in panels) + " |")
-            log(out[-1])
-    finally:
-        nc.PANEL = saved
+        def with_panel(w):
+            o = options_for("numba").with_(panel=w)
+            return lambda: bakron.solve(W, AO, AI, q, tile=16, method="recursive",
+                                        engine="numba", options=o)
+        f, r, _ = _interleave(W, AO, AI, {w: with_panel(w) for w in panels}, repeats)
+        out.append(f"| {n} | " + " | ".join(f"{r[w]:.2f}" for w in panels) + " |")
+        log(out[-1])
     out.append("")
     # 3. one-sided base size, tile (16, 1) (GPTQ's rule)
     bases = (16, 32, 64, 128, 256)
@@ -506,7 +513,8 @@ def thread_child(threads: int, sizes, repeats: int, dtype: str, tile: int, bits:
             if methods is not None and _method_label(m, v) not in methods:
                 continue
             fns[_method_label(m, v)] = (lambda m=m, v=v: bakron.solve(
-                W, AO, AI, q, tile=tile, method=m, variant=v, engine="numba"))
+                W, AO, AI, q, tile=tile, method=m, variant=v, engine="numba",
+                options=_OPTIONS))
         times = interleaved(fns, repeats, budget)
         floor = float(np.median(times["floor"]))
         for name, ts in times.items():
@@ -537,6 +545,8 @@ def run_threads(thread_counts, sizes, *, repeats, dtype, tile, bits, direct_max,
                "--bits", str(bits), "--direct-max", str(direct_max), "--budget", str(budget)]
         if methods is not None:
             cmd += ["--methods", ",".join(methods)]
+        for o in _OPTIONS:
+            cmd += [f"--option={a}" for a in _option_args(o)]
         log(f"bakron bench --threads: {t} thread{'s' if t > 1 else ''} (fresh process)")
         p = subprocess.run(cmd, env=env)
         if p.returncode != 0:
@@ -684,6 +694,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", default=None, metavar="M[,M...]",
                     help="with --threads: only these methods (labels of the table, e.g. "
                          "recursive,wavefront; default every method of the engine)")
+    ap.add_argument("--option", action="append", default=[], metavar="ENGINE.FIELD=VALUE",
+                    help="an engine option of every solve, e.g. numba.panel=128 (repeatable; "
+                         "the fields of bakron.NumbaOptions and bakron.CudaOptions, "
+                         "docs/engine-contract.md)")
     ap.add_argument("--_thread-child", dest="thread_child", type=int, default=None,
                     help=argparse.SUPPRESS)
     ap.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
@@ -694,6 +708,13 @@ def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     raw = sys.argv[1:] if argv is None else list(argv)
+    global _OPTIONS
+    from bakron.solvers.options import from_cli
+
+    try:
+        _OPTIONS = from_cli(args.option)
+    except (TypeError, ValueError) as exc:
+        ap.error(str(exc))
     if args.threads is not None or args.thread_child is not None:
         return _main_threads(ap, args, raw)
     if args.quick:
@@ -738,6 +759,19 @@ def main(argv=None) -> int:
     png = os.path.exists(os.path.join(args.out, "cpu.png"))
     print(f"wrote {os.path.join(args.out, 'cpu.md')}" + (" and cpu.png" if png else ""))
     return 0
+
+
+def _option_args(o) -> list[str]:
+    """``ENGINE.FIELD=VALUE`` of every field of the options object ``o`` that differs from
+    the defaults (to hand a run's options to its child processes)."""
+    from dataclasses import fields
+
+    from bakron.solvers.options import OPTION_CLASSES, defaults
+
+    eng = next(k for k, c in OPTION_CLASSES.items() if c is type(o))
+    d = defaults(type(o))
+    return [f"{eng}.{f.name}={int(v) if isinstance(v, bool) else v}"
+            for f in fields(o) if (v := getattr(o, f.name)) != getattr(d, f.name)]
 
 
 def _prog() -> str:

@@ -48,7 +48,7 @@ class Env:
 
     def __init__(self):
         from bakron.backends import numba_cuda as NC
-        self.NC = NC  # the engine module: its options (TF32), kernels and launch settings
+        self.NC = NC  # the engine module: its kernels and launch settings
         self.sim = NC.SIM
         if self.sim:
             import array_api_compat.numpy as xp
@@ -111,9 +111,11 @@ def timeit(env, fn, reps):
     return statistics.median(ts), ts
 
 
-def solve_cuda(W, AO, AI, q, method, base=None, tile=16):
-    """One solve on the cuda engine through the public entry point."""
-    return bakron.solve(W, AO, AI, q, tile=tile, method=method, base=base, engine="cuda")
+def solve_cuda(W, AO, AI, q, method, base=None, tile=16, options=None):
+    """One solve on the cuda engine through the public entry point (``options``: a
+    :class:`bakron.CudaOptions`, default the defaults)."""
+    return bakron.solve(W, AO, AI, q, tile=tile, method=method, base=base, engine="cuda",
+                        options=options)
 
 
 class PeakMemory:
@@ -213,17 +215,14 @@ def bench_size(env, m, n, *, reps, tf32, tuning, seed=1):
     out["f32_mismatch_between_methods"] = int(sum(np.sum(v != res32["wavefront"])
                                                   for v in res32.values()))
     if tf32:
-        NC.TF32 = True
-        try:
-            holder = {}
+        tf = bakron.CudaOptions.defaults().with_(tf32=True)
+        holder = {}
 
-            def runtf():
-                holder["r"] = solve_cuda(W32, AO32, AI32, q, "wavefront", None, t)
-                return holder["r"].seconds
-            med, _ = timeit(env, runtf, reps)
-            v = env.host(holder["r"].values)
-        finally:
-            NC.TF32 = False
+        def runtf():
+            holder["r"] = solve_cuda(W32, AO32, AI32, q, "wavefront", None, t, tf)
+            return holder["r"].seconds
+        med, _ = timeit(env, runtf, reps)
+        v = env.host(holder["r"].values)
         out["tf32"] = {"ms": med * 1e3, "ratio_to_fp32_floor": med / floor,
                        "mismatch_vs_f64": int(np.sum(v != ref.astype(np.float32)))}
         _log(f"  {m}x{n} tf32 wavefront {med * 1e3:9.2f} ms  mismatches vs f64 "
@@ -394,7 +393,8 @@ def main(argv=None):
     env = Env()
     NC = env.NC
     meta = {"python": platform.python_version(), "numpy": np.__version__,
-            "launch": NC.LAUNCH, "maxreg": NC.MAXREG}
+            "launch": NC.launch_mode(NC.defaults(NC.CudaOptions)),
+            "maxreg": NC.defaults(NC.CudaOptions).maxreg}
     import numba
     meta["numba"] = numba.__version__
     try:

@@ -93,18 +93,14 @@ def _entries(xp, W, A_out, A_in, qs, tile, workers_list, engine, gpu=False):
 
     fns = {"floor": floor, "one by one": one_by_one}
     if gpu:
-        from bakron.backends import numba_cuda
-
         def stack(method, hook=True):
+            # the engine's option stack=False declines every stack: items one by one
+            opts = bakron.CudaOptions.defaults().with_(stack=hook)
+
             def run():
-                before = numba_cuda.STACK
-                numba_cuda.STACK = hook  # the engine's option: off declines every stack
-                try:
-                    bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine,
-                                       method=method)
-                    sync()
-                finally:
-                    numba_cuda.STACK = before
+                bakron.solve_stack(W, A_out, A_in, qs, tile=tile, engine=engine,
+                                   method=method, options=opts)
+                sync()
             return run
         fns["stack, items"] = stack("auto", hook=False)
         for method in ("antidiagonal", "wavefront", "auto"):

@@ -12,10 +12,13 @@ from .._validate import (check_factor_block, check_factor_shape, check_finite,
                          row_strips)
 from . import engines
 from ._problem import Problem
-from .engines import Capabilities, Engine, EngineResult
+from .engines import (COUNT_NONFINITE, FACTOR_SCAN, INPUT_CHECKS, QUIET_BLAS, Capabilities,
+                      Engine, EngineResult, offers)
+from .options import CudaOptions, NumbaOptions, as_options
 from .recursive import BASE_TILES
 
-__all__ = ["solve", "SolveResult", "METHODS", "ENGINES", "Engine", "Capabilities", "EngineResult"]
+__all__ = ["solve", "SolveResult", "METHODS", "ENGINES", "Engine", "Capabilities", "EngineResult",
+           "CudaOptions", "NumbaOptions"]
 
 METHODS = ("auto", "naive", "antidiagonal", "recursive", "wavefront")
 ENGINES = ("auto", *engines.ENGINE_MODULES)
@@ -90,7 +93,8 @@ def _pick_engine(engine: str, p: Problem, method: str, variant: str):
 
 def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
           engine: str = "auto", variant: str = "accumulator", base: int | None = None,
-          return_targets: bool = False, max_naive_bytes: int | None = None) -> SolveResult:
+          return_targets: bool = False, max_naive_bytes: int | None = None,
+          options=None) -> SolveResult:
     """Round ``W`` with the two-sided rule (docs/algorithm.md, "The rounding rule").
 
     A stack of layers — ``W`` of shape ``(..., m, n)``, factors ``(..., m, m)``/``(..., n, n)``
@@ -127,6 +131,10 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         Record every tile's target (for the loss identity). With ``engine="auto"`` the
         array-API engine runs (its targets are the reference's sums), except for
         ``method="wavefront"``, which it does not have.
+    options : CudaOptions, NumbaOptions or a sequence of them
+        The engines' options (at most one object per engine; docs/engine-contract.md). The
+        engine that runs uses its own, or its defaults when none is given; the others are
+        not used.
 
     Returns
     -------
@@ -136,14 +144,15 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
         from .stack import solve_stack  # a stack (..., m, n) of layers: docs/stacks.md
         return solve_stack(W, A_out, A_in, quantizer, tile=tile, method=method, engine=engine,
                            variant=variant, base=base, return_targets=return_targets,
-                           max_naive_bytes=max_naive_bytes)
+                           max_naive_bytes=max_naive_bytes, options=options)
+    options = as_options(options)
     (A_out, blk_out), (A_in, blk_in) = factor_array(A_out), factor_array(A_in)
     xp = _xp.namespace(W, A_out, A_in)
     W, A_out, A_in = native(xp, W), native(xp, A_out), native(xp, A_in)
     check_matrix(xp, W, "W")
     dtype = _xp.float_dtype(xp, W, "W")
     fast = _compiled(xp, engine)  # a compiled engine's one-pass checks, or None
-    if hasattr(fast, "quiet_blas"):
+    if offers(fast, QUIET_BLAS):
         fast.quiet_blas()  # BLAS's spinning idle threads would slow the compiled checks
     m, n = W.shape
     check_matrix(xp, A_in, "A_in")
@@ -164,7 +173,8 @@ def solve(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
     check_quantizer(quantizer, m, n, dtype)
     _check_input_values(xp, fast, W, ((A_in, ty, "A_in", blk_in), (A_out, tx, "A_out", blk_out)))
 
-    p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets)
+    p = Problem(xp, W, A_out, A_in, quantizer, (tx, ty), record_targets=return_targets,
+                options=options)
     if return_targets and engine == "auto" and method != "wavefront":
         engine = "array_api"  # the reference's sums (the array-API engine has no wavefront)
     eng = _pick_engine(engine, p, method, variant)
@@ -180,12 +190,11 @@ def _check_input_values(xp, fast, W, factors) -> None:
     part of one array, one synchronisation), on the CPU one compiled pass per array; else from
     array-API passes. The decisions and messages are the same either way."""
     factors = [f for f in factors if f[0] is not None]
-    fused = getattr(fast, "input_checks", None)
     stats = None
-    if fused is not None:
-        stats = fused({"W": W, **{name: A for A, _, name, _ in factors}},
-                      {name: block for _, block, name, _ in factors})
-    count = getattr(fast, "count_nonfinite", None)
+    if offers(fast, INPUT_CHECKS):
+        stats = fast.input_checks({"W": W, **{name: A for A, _, name, _ in factors}},
+                                  {name: block for _, block, name, _ in factors})
+    count = fast.count_nonfinite if offers(fast, COUNT_NONFINITE) else None
     for name, x in (("W", W), *((name, A) for A, _, name, _ in factors)):
         check_finite(xp, x, name, count, known=None if stats is None else stats[0][name])
     for A, block, name, recorded in factors:
@@ -227,7 +236,8 @@ def execute(p: Problem, eng, method: str, base: int | None, variant: str,
     out = eng.run(p, method, base, variant, **kw)
     _xp.sync(xp)
     seconds = time.perf_counter() - t0
-    check_result_finite(xp, out.values, p.quantizer, getattr(eng, "count_nonfinite", None))
+    check_result_finite(xp, out.values, p.quantizer,
+                        eng.count_nonfinite if offers(eng, COUNT_NONFINITE) else None)
     info.update(out.info)
     return SolveResult(values=out.values, codes=out.codes, method=method, engine=eng.NAME,
                        seconds=seconds, tile=(p.tx, p.ty), targets=out.targets, info=info)
@@ -236,8 +246,9 @@ def execute(p: Problem, eng, method: str, base: int | None, variant: str,
 def _compiled(xp, engine: str):
     """The compiled engine's module that may run a solve of these arrays and is available
     (the numba engine for numpy, the cuda engine for cupy; ``engine`` ``auto`` or that
-    engine), else ``None``: its one-pass kernels (``count_nonfinite``, ``factor_scan``, and
-    on the GPU ``input_checks`` and ``stack_checks``) then give the input and result checks their statistics,
+    engine), else ``None``: its one-pass kernels (the hooks its capability table declares:
+    ``count_nonfinite``, ``factor_scan``, and on the GPU ``input_checks`` and
+    ``stack_checks``) then give the input and result checks their statistics,
     instead of several array-API passes (at 2048² on 16 cores those took about a third of a
     solve, docs/engines.md, "Many cores"; on the H200 about 3 ms of a 5 ms solve at 1024²,
     "Checks on the GPU"). The decisions and messages stay here."""
@@ -249,10 +260,10 @@ def _compiled(xp, engine: str):
 
 
 def _factor_scan(fast, A, block: int):
-    """``fast.factor_scan(A, block)`` (``numba_cpu.factor_scan``), or ``None`` without a
-    compiled engine (the checks compute the statistics with array-API operations)."""
-    scan = getattr(fast, "factor_scan", None)
-    return None if scan is None else scan(A, block)
+    """``fast.factor_scan(A, block)`` (``numba_cpu.factor_scan``), or ``None`` without an
+    engine that declares the hook (the checks compute the statistics with array-API
+    operations)."""
+    return fast.factor_scan(A, block) if offers(fast, FACTOR_SCAN) else None
 
 
 def _check_strictly_lower(xp, A, block: int, name: str, scan=None) -> None:

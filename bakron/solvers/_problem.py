@@ -42,10 +42,14 @@ class Problem:
     ``W`` (m, n) in the working dtype; ``A_O`` (m, m) or ``None`` (one-sided), ``A_I`` (n, n),
     both cast to W's dtype. Tiles are ``tx x ty``; ``rows``/``cols`` are the tile edges.
     ``record_targets``: the caller wants every tile's target (for the loss identity).
+    ``options``: the engines' options objects the caller gave (``options.as_options``); an
+    engine reads its own with :meth:`options_for`.
     """
 
-    def __init__(self, xp, W, A_O, A_I, quantizer, tile, *, record_targets=False):
+    def __init__(self, xp, W, A_O, A_I, quantizer, tile, *, record_targets=False,
+                 options: tuple = ()):
         self.xp = xp
+        self.options = tuple(options)
         self.W = W
         self.dtype = W.dtype
         self.device = _xp.device(W)
@@ -63,6 +67,12 @@ class Problem:
     @property
     def two_sided(self) -> bool:
         return self.A_O is not None
+
+    def options_for(self, cls):
+        """The caller's options of class ``cls`` (``bakron.solvers.options``), else the
+        defaults."""
+        from .options import pick
+        return pick(self.options, cls)
 
     def eye(self, k: int):
         return self.xp.eye(k, dtype=self.dtype, device=self.device)

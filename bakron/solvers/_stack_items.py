@@ -15,16 +15,7 @@ from contextlib import contextmanager
 
 from .. import _xp
 
-__all__ = ["ItemRunner", "blas_threads", "capability", "cores", "engine_check", "solve_item"]
-
-
-def capability(eng, key: str):
-    """An engine's stack capability: the field ``key`` of its capability table
-    (``CAPABILITIES``) when it has one, else its attribute ``key`` (``None`` when absent)."""
-    caps = getattr(eng, "CAPABILITIES", None)
-    if caps is not None and hasattr(caps, key):
-        return getattr(caps, key)
-    return getattr(eng, key, None)
+__all__ = ["ItemRunner", "blas_threads", "cores", "engine_check", "solve_item"]
 
 
 def cores() -> int:
@@ -69,7 +60,8 @@ def engine_check(solvers, xp, chunk, engine: str, return_targets: bool) -> dict:
         if type(q) in by_type:  # engines choose by the quantizer's type, not its scales
             out[id(q)] = by_type[type(q)]
             continue
-        p = Problem(xp, W0, A_out0, A_in0, q, chunk.tile, record_targets=return_targets)
+        p = Problem(xp, W0, A_out0, A_in0, q, chunk.tile, record_targets=return_targets,
+                    options=chunk.options)
         eng = solvers._pick_engine(want, p, chunk.method, chunk.variant)
         solvers.check_wavefront(eng, chunk.method)
         out[id(q)] = by_type[type(q)] = eng
@@ -86,7 +78,7 @@ def solve_item(W, A_out, A_in, quantizer, eng, kw: dict):
     from ._problem import Problem
 
     p = Problem(_xp.namespace(W), W, A_out, A_in, quantizer, kw["tile"],
-                record_targets=kw["return_targets"])
+                record_targets=kw["return_targets"], options=kw["options"])
     return execute(p, eng, kw["method"], kw["base"], kw["variant"], kw.get("max_naive_bytes"))
 
 

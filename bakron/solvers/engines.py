@@ -16,6 +16,12 @@ An engine is an object (the engines here are modules) with:
     solve :class:`~bakron.solvers._problem.Problem` ``p`` (read only) with a method of its
     table and hand back new arrays.
 
+and, besides, the optional hooks its table declares in ``Capabilities.hooks`` (``HOOKS``:
+the one-pass input and result checks, the stack layer's hooks; :class:`EngineHooks` gives
+their signatures). ``solve`` and the stack layer call a hook only when the table declares it
+(:func:`offers`) and otherwise do the work themselves, with array-API operations or item by
+item; an engine leaves a hook out by not declaring it, never by a missing attribute.
+
 ``solve`` is the one public entry point: it validates, builds the ``Problem`` (the array
 namespace is taken once there), picks the engine and calls ``run``.
 """
@@ -36,6 +42,18 @@ ENGINE_MODULES = {"array_api": "bakron.solvers.array_api",
 ANY_QUANTIZER = "any"          # anything with quantize(targets) -> (values, codes)
 UNIFORM_FUSED = "uniform"      # a UniformQuantizer whose rounding the engine compiles in
 
+#: The optional hooks of the contract (signatures: :class:`EngineHooks`), by name.
+QUIET_BLAS = "quiet_blas"            # before the compiled checks: end BLAS's idle workers
+COUNT_NONFINITE = "count_nonfinite"  # NaN/Inf count of an array in one pass
+FACTOR_SCAN = "factor_scan"          # a factor's structure statistics in one pass
+INPUT_CHECKS = "input_checks"        # all of solve's input statistics, one read-back
+STACK_CHECKS = "stack_checks"        # all of the stack layer's input statistics, one read-back
+SOLVE_STACK = "solve_stack"          # a stack chunk in one schedule (every launch all items)
+STACK_METHOD = "stack_method"        # the method solve_stack runs for a stack, or None
+STACK_THREADS = "stack_threads"      # threads on which the stack layer runs a chunk's items
+HOOKS = (QUIET_BLAS, COUNT_NONFINITE, FACTOR_SCAN, INPUT_CHECKS, STACK_CHECKS, SOLVE_STACK,
+         STACK_METHOD, STACK_THREADS)
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -53,6 +71,21 @@ class Capabilities:
     quantizers: str = ANY_QUANTIZER
     max_tile: tuple[int, int, int] | None = None
     targets: bool = True
+    hooks: frozenset = frozenset()
+
+    def __post_init__(self):
+        hooks = frozenset(self.hooks)
+        unknown = sorted(hooks - set(HOOKS))
+        if unknown:
+            raise ValueError(f"Capabilities.hooks: unknown hook(s) {unknown}; the hooks of "
+                             f"the engine contract are {list(HOOKS)}")
+        object.__setattr__(self, "hooks", hooks)
+
+    def has(self, hook: str) -> bool:
+        """Whether the engine declares the optional hook ``hook`` (one of ``HOOKS``)."""
+        if hook not in HOOKS:
+            raise ValueError(f"unknown hook {hook!r}; the hooks are {list(HOOKS)}")
+        return hook in self.hooks
 
     def refusal(self, p) -> str | None:
         """Why this engine cannot take problem ``p`` at all (``None``: it can)."""
@@ -114,6 +147,40 @@ class Engine(Protocol):
     def auto_method(self, p, base: int) -> str: ...
 
     def run(self, p, method: str, base: int, variant: str) -> EngineResult: ...
+
+
+class EngineHooks(Protocol):
+    """The optional hooks, each present exactly when ``CAPABILITIES.hooks`` names it."""
+
+    def quiet_blas(self) -> None:
+        """Before ``solve``'s compiled checks: quiet BLAS's idle threads (numba engine)."""
+
+    def count_nonfinite(self, X) -> int | None:
+        """NaN and Inf entries of ``X`` in one pass; ``None`` for arrays it does not take."""
+
+    def factor_scan(self, A, block: int):
+        """``(forbidden, row_any, first, col_any)`` of a factor (``numba_cpu.factor_scan``);
+        ``None`` for arrays it does not take."""
+
+    def input_checks(self, arrays: dict, blocks: dict):
+        """``(nonfinite, forbidden, coarse_tile)`` dicts by name, one read-back; or ``None``."""
+
+    def stack_checks(self, arrays: dict, blocks: dict):
+        """Starts the stack's checks; a function reading ``(nonfinite, forbidden)``, or ``None``."""
+
+    def solve_stack(self, chunk) -> list | None:
+        """Solve a ``StackChunk`` into its outputs: one info dict per item, or ``None``."""
+
+    def stack_method(self, p, items: int, method: str) -> str | None:
+        """The method ``solve_stack`` runs for a stack of ``items`` like ``p``, or ``None``."""
+
+    def stack_threads(self, chunk, cores: int) -> int:
+        """Threads on which the stack layer runs the items of ``chunk`` (1: serially)."""
+
+
+def offers(eng, hook: str) -> bool:
+    """Whether the engine ``eng`` (``None``: no engine) declares the optional hook ``hook``."""
+    return eng is not None and eng.CAPABILITIES.has(hook)
 
 
 def load(name: str):

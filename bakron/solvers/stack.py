@@ -14,11 +14,12 @@ How a stack runs (``SolveResult.info["stack"]`` says which path ran):
    values run as kernels while the host checks the rest).
 2. The stack is cut into *chunks* whose working memory fits ``max_bytes`` (``4 m n`` elements
    per item at most, besides the inputs and the stacked outputs).
-3. A chunk goes to the engine in one call when the engine has ``solve_stack`` (the hook for a
-   one-launch GPU version); otherwise its items go to their engine one by one (what the
-   single-layer solve runs after its checks), on ``workers`` threads when the engine's rule
-   ``stack_threads(chunk, cores)`` says so (its kernels release the GIL), with BLAS and
-   numba threads split so that workers × threads ≤ cores.
+3. A chunk goes to the engine in one call when the engine's capability table declares the
+   hook ``solve_stack`` (a one-launch GPU version); otherwise its items go to their engine
+   one by one (what the single-layer solve runs after its checks), on ``workers`` threads
+   when the engine declares the rule ``stack_threads(chunk, cores)`` and it says so (its
+   kernels release the GIL), with BLAS and numba threads split so that workers × threads ≤
+   cores.
 
 See docs/stacks.md for the engine contract and the measurements.
 """
@@ -36,7 +37,9 @@ import numpy as np
 
 from .. import _xp
 from .._validate import check_factor_shape, check_finite, check_tile, factor_array, native
-from ._stack_items import ItemRunner, blas_threads, capability, cores, engine_check
+from .engines import COUNT_NONFINITE, SOLVE_STACK, STACK_CHECKS, STACK_THREADS, offers
+from .options import as_options
+from ._stack_items import ItemRunner, blas_threads, cores, engine_check
 
 __all__ = ["solve_stack", "StackChunk", "stack_shape"]
 
@@ -55,7 +58,8 @@ class StackChunk:
     ``in_index`` map an item (0 … B-1) to its row in each; ``quantizers[i]`` is item ``i``'s
     quantizer. The engine writes ``values[i]`` (and ``codes[i]``, ``targets[i]`` when those
     are not ``None``) for ``i`` in the chunk and returns a list of per-item ``info`` dicts, or
-    ``None`` to decline (the stack layer then solves the items one by one).
+    ``None`` to decline (the stack layer then solves the items one by one). ``options``:
+    the caller's engine options (``Problem.options``).
     """
 
     start: int
@@ -74,6 +78,7 @@ class StackChunk:
     values: Any
     codes: Any
     targets: Any
+    options: tuple = ()
 
     def item(self, i: int):
         """``(W_i, A_out_i, A_in_i, quantizer_i)`` of item ``i`` (2-D views)."""
@@ -199,7 +204,8 @@ def _check_finite_stack(xp, flat, name: str, fast=None) -> None:
     k, r, c = flat.shape
     if k == 0:
         return
-    count = getattr(fast, "count_nonfinite", None)  # None for arrays it does not take
+    # the engine's counter (it returns None for arrays it does not take)
+    count = fast.count_nonfinite if offers(fast, COUNT_NONFINITE) else None
     bad = None if count is None else count(flat)
     if bad is not None:
         if bad:
@@ -250,8 +256,7 @@ def _start_value_checks(solvers, xp, W_flat, factors, fast):
     while the GPU reads the stack (about a millisecond for an MoE stack); otherwise the
     returned function runs one pass per array and statistic (``fast``: the compiled
     engine's one-kernel checks, from ``solvers._compiled``)."""
-    fused = getattr(fast, "stack_checks", None)
-    read = None if fused is None else fused(
+    read = None if not offers(fast, STACK_CHECKS) else fast.stack_checks(
         {"W": W_flat, **{name: flat for name, flat, _ in factors}},
         {name: blk for name, _, blk in factors})
 
@@ -276,7 +281,7 @@ def _start_value_checks(solvers, xp, W_flat, factors, fast):
 def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto",
                 engine: str = "auto", variant: str = "accumulator", base: int | None = None,
                 return_targets: bool = False, max_naive_bytes: int | None = None,
-                workers: int | None = None, max_bytes: int | None = None):
+                workers: int | None = None, max_bytes: int | None = None, options=None):
     """Round a stack of layers: :func:`bakron.solve` over the leading axes of ``W``.
 
     Parameters
@@ -294,7 +299,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
         One quantizer for every item, or one per item (a list or tuple of length
         ``prod(stack shape)``, flat in C order; :func:`fit_quantizers` fits per-item
         :class:`bakron.UniformQuantizer` grids).
-    tile, method, engine, variant, base, return_targets, max_naive_bytes
+    tile, method, engine, variant, base, return_targets, max_naive_bytes, options
         As in :func:`bakron.solve`, for every item.
     workers : int, optional
         Threads that solve items concurrently. Default: the engine's rule
@@ -359,6 +364,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     if max_bytes is not None and (int(max_bytes) != max_bytes or max_bytes < 1):
         raise ValueError(f"max_bytes must be a positive number of bytes, got {max_bytes!r}")
+    options = as_options(options)
     qs = _quantizer_list(quantizer, B)
     W_flat, w_idx = _flat(xp, W, stack)
     # a factor in another dtype is cast once for the stack, as the single solve casts it
@@ -387,7 +393,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     budget = _default_budget(xp) if max_bytes is None else int(max_bytes)
     chunk_items = max(1, min(B, budget // (ITEM_WORK_MN * m * n * itemsize))) if B else 1
     full = StackChunk(0, B, W_flat, A_out_flat, A_in_flat, w_idx, out_idx, in_idx, qs,
-                      (tx, ty), method, base, variant, None, None, None)
+                      (tx, ty), method, base, variant, None, None, None, options)
     engines = engine_check(solvers, xp, full, engine, return_targets) if B else {}
     decide_values()
     # ---- outputs: allocated once every check has passed ----------------------------------
@@ -410,21 +416,21 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     one_engine = len(names) == 1
     eng = next(iter(engines.values())) if one_engine else None
     n_cores = cores()
-    rule = capability(eng, "stack_threads") if one_engine and eng is not None else None
     if workers is not None:
         chosen_by = "workers="
-    elif callable(rule):  # the engine's rule: stack_threads(chunk, cores) -> threads
+    elif one_engine and offers(eng, STACK_THREADS):  # the engine's rule
         chosen_by = "engine rule stack_threads"
-        workers = int(rule(replace(full, stop=chunk_items), n_cores))  # the first chunk
+        workers = int(eng.stack_threads(replace(full, stop=chunk_items), n_cores))  # 1st chunk
     else:
         chosen_by, workers = "serial (no stack_threads)", 1
     workers = max(1, min(int(workers), chunk_items, B))
     threads = max(1, n_cores // workers) if workers > 1 else None
-    stack_fn = capability(eng, "solve_stack") if eng is not None else None
+    stack_hook = offers(eng, SOLVE_STACK)
 
     runner = ItemRunner(full, dict(tile=(tx, ty), method=method, engine=engine,
                                     variant=variant, base=base, return_targets=return_targets,
-                                    max_naive_bytes=max_naive_bytes), threads, engines)
+                                    max_naive_bytes=max_naive_bytes, options=options),
+                          threads, engines)
     paths = []
     _xp.sync(xp)
     with blas_threads(threads) as blas_limit:
@@ -432,8 +438,8 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
             stop = min(B, start + chunk_items)
             chunk = StackChunk(start, stop, W_flat, A_out_flat, A_in_flat, w_idx, out_idx,
                                in_idx, qs, (tx, ty), method, base, variant, values,
-                               runner.codes, targets)
-            infos = stack_fn(chunk) if callable(stack_fn) else None
+                               runner.codes, targets, options)
+            infos = eng.solve_stack(chunk) if stack_hook else None
             if infos is not None:
                 runner.take_engine_infos(chunk, infos)
                 paths.append("engine solve_stack")
