@@ -1,8 +1,12 @@
-"""The per-layer pipeline shared by ``bakron quantize`` and the Dask runner.
+"""The per-layer pipeline shared by ``bakron quantize``, ``bakron quantize-model``, the demos
+and the Dask runners: it sits on the public API (:func:`bakron.quantize_layer`,
+:func:`bakron.layer_groups.quantize_layers`) and below the applications, so that each
+application and its Dask tasks import it and not each other.
 
-Arrays in (numpy, as read from the layer files), arrays to write and a report entry out, so
-that the local command and the distributed tasks support the same inputs (dense or diagonal
-H_out, half-precision W) and write the same tensors:
+Layers of ``bakron quantize`` (:func:`quantize_arrays`, :func:`quantize_arrays_stack`): arrays
+in (numpy, as read from the layer files), arrays to write and a report entry out, so that the
+local command and the distributed tasks support the same inputs (dense or diagonal H_out,
+half-precision W) and write the same tensors:
 
 ``codes``       int8 (symmetric) or uint8 (asymmetric) codes, (m, n)
 ``scale``       2-D table in W_hat's dtype: (1, 1) per tensor, (m, 1) per row,
@@ -11,15 +15,24 @@ H_out, half-precision W) and write the same tensors:
 ``W_hat``       the rounded weights (float32 for a half-precision W)
 
 :func:`bakron.io.dequantize` reads them back.
+
+Layers of ``bakron quantize-model`` (:func:`solve_and_publish`): a layer's grid fitted by its
+format's rule (:func:`fit_grid`), the solve, and its codes published write-once into the work
+folder, the same body in the driver and on a Dask worker
+(:mod:`bakron.distributed._model_jobs`), so both write the same bytes.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .. import _xp
-from .proxy import ProxyMetrics
+import time
+from pathlib import Path
 
-__all__ = ["SOLVE_KEYS", "quantize_arrays", "quantize_arrays_stack", "codes_dtype"]
+from . import _xp
+from ._lib.proxy import ProxyMetrics
+
+__all__ = ["SOLVE_KEYS", "quantize_arrays", "quantize_arrays_stack", "codes_dtype",
+           "LAYER_FORMAT", "fit_grid", "decode", "layer_damping", "solve_and_publish"]
 
 #: the solve settings both runners pass through
 SOLVE_KEYS = ("bits", "tile", "method", "engine", "damp", "symmetric", "granularity",
@@ -43,7 +56,7 @@ def quantize_arrays(W, H_in, H_out, settings: dict, *, xp=np, one_sided: bool = 
     ``one_sided`` ignores ``H_out`` for the rounding but still judges the result (and RTN)
     under it. ``xp`` is where the work runs (numpy or cupy); outputs are numpy.
     """
-    from ..layer import quantize_layer
+    from .layer import quantize_layer
 
     kw = _solve_kwargs(settings)
     dev = _to_device(xp)
@@ -65,7 +78,7 @@ def quantize_arrays_stack(layers, settings: dict, *, xp=np, one_sided: bool = Fa
     layer by layer, so only the bad layers fail). ``entry["stack"]`` says which stack solved
     the layer (``index`` in it, ``size``).
     """
-    from ..layer_groups import quantize_layers
+    from .layer_groups import quantize_layers
 
     kw = _solve_kwargs(settings)
     dev = _to_device(xp)
@@ -120,3 +133,83 @@ def _finish(res, Wx, Hx, Ox, *, one_sided: bool, metrics: str):
     if z_tab is not None:
         arrays["zero_point"] = np.rint(np.asarray(z_tab, dtype=np.float64)).astype(np.uint8)
     return arrays, entry
+
+
+# -- layers of bakron quantize-model ------------------------------------------------------------
+
+#: the ``format`` of the layer files in the work folder of ``bakron quantize-model``
+LAYER_FORMAT = "bakron-model-layer"
+
+
+def fit_grid(W, grid: dict):
+    """The grid of one layer, fitted to ``W`` by the format's rule (deterministic)."""
+    fmt = grid["format"]
+    if fmt.startswith("gguf-"):
+        from .export.grids import fit_block_grid
+
+        return fit_block_grid(W, fmt.split("-")[1].upper())
+    if fmt == "gptq":
+        from .export.gptq import GPTQGrid
+
+        return GPTQGrid.fit(W, grid["bits"], group_size=grid["group_size"], sym=grid["sym"],
+                            min_zero=1)
+    from .quantizers import UniformQuantizer
+
+    return UniformQuantizer.fit(W, grid["bits"], symmetric=grid["sym"], granularity="group",
+                                group_size=grid["group_size"], method="minmax")
+
+
+def decode(grid, codes) -> np.ndarray:
+    """``W_hat`` (float32) from codes, with the arithmetic of the grid's ``quantize``."""
+    return np.asarray(grid.dequantize(np.asarray(codes), dtype=np.float32))
+
+
+def layer_damping(settings, H_out) -> dict:
+    """``quantize_layer``'s damping arguments for one layer (``settings``: a number, the
+    damping of both factors, or the dict of :func:`bakron.quantize_model._out_settings`)."""
+    if not isinstance(settings, dict):
+        return {"damp": float(settings)}
+    kw = {"damp": settings["damp"]}
+    if H_out is None:
+        return kw
+    if settings.get("out") == "auto":
+        from .factors import auto_regularization
+
+        kw["shrink_out"], kw["damp_out"] = auto_regularization(H_out.shape[0],
+                                                               settings["tokens"])
+    else:
+        kw["shrink_out"], kw["damp_out"] = settings["shrink_out"], settings["damp_out"]
+    return kw
+
+
+def solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp):
+    """Fit ``W``'s grid, round the layer onto it (round-to-nearest when ``H_in`` is None)
+    and publish its codes write-once; returns ``W_hat``. The one body of a layer's solve,
+    in the driver and on a Dask worker (bakron.distributed._model_jobs), so both write
+    the same bytes. ``damp``: see :func:`layer_damping`."""
+    t = time.perf_counter()
+    q = fit_grid(W, grid)
+    if H_in is None:
+        values, codes = q.rtn(W)
+    else:
+        from .layer import quantize_layer
+
+        res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), metrics="none",
+                             **layer_damping(damp, H_out))
+        values, codes = res.values, res.codes
+    publish(work, name, key, q, values, codes, seconds=time.perf_counter() - t)
+    return values
+
+
+def publish(work, name, key, q, values, codes, *, seconds):
+    """Write one layer's codes write-once, after checking that they decode to ``values``."""
+    from .distributed._outputs import publish_tensors
+
+    c = np.asarray(_xp.to_numpy(codes))
+    v = np.asarray(_xp.to_numpy(values), dtype=np.float32)
+    if not np.array_equal(decode(q, c), v):   # the file must give back exactly W_hat
+        raise RuntimeError(f"layer {name}: the codes do not decode to the solver's values")
+    final = str(Path(work) / "layers" / f"{name}.safetensors")
+    publish_tensors(final, {"codes": c.astype(codes_dtype(q))},
+                    {"key": key, "name": name, "seconds": f"{seconds:.6f}"}, LAYER_FORMAT,
+                    out_dir=str(work), journal={"layer": name})

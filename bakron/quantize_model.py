@@ -42,7 +42,7 @@ folder").
 
 Scale-out (``scheduler=`` / ``gpus=`` / ``client=``, docs/export.md "Devices and scale-out"):
 the factors are collected here and each layer's solve runs as one Dask task
-(:mod:`bakron.distributed._model_jobs`) through the same :func:`_solve_and_publish`, so the
+(:mod:`bakron.distributed._model_jobs`) through the same :func:`bakron.pipeline.solve_and_publish`, so the
 layer files and the export are the same.
 """
 from __future__ import annotations
@@ -61,6 +61,10 @@ from . import _xp
 from ._lib.fs import atomic_write_json
 from ._validate import check_bits, check_damp, check_int
 from .io import InputError, OutputExistsError
+from .pipeline import LAYER_FORMAT as _LAYER_FORMAT
+from .pipeline import decode as _decode
+from .pipeline import fit_grid as _fit_grid
+from .pipeline import solve_and_publish
 
 __all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_sequences",
            "perplexity_and_kl", "reference_log_probs"]
@@ -68,7 +72,6 @@ __all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_s
 FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
 FACTORS = ("rtn", "input", "global", "input+global-out")
 _GGUF_BITS = {"gguf-q4_0": 4, "gguf-q4_1": 4, "gguf-q8_0": 8}
-_LAYER_FORMAT = "bakron-model-layer"
 _RUN_FILE = "run.json"
 _VERSION = 2   # 2: layers keyed on full hashes of the weights
 
@@ -113,29 +116,6 @@ def _grid_settings(fmt, bits, group_size, sym):
         check_int, group_size, "group_size", minimum=1, what="a positive integer")
     return {"format": fmt, "bits": bits, "group_size": group_size,
             "sym": True if sym is None else bool(sym)}
-
-
-def _fit_grid(W, grid: dict):
-    """The grid of one layer, fitted to ``W`` by the format's rule (deterministic)."""
-    fmt = grid["format"]
-    if fmt in _GGUF_BITS:
-        from .export import fit_block_grid
-
-        return fit_block_grid(W, fmt.split("-")[1].upper())
-    if fmt == "gptq":
-        from .export import GPTQGrid
-
-        return GPTQGrid.fit(W, grid["bits"], group_size=grid["group_size"], sym=grid["sym"],
-                            min_zero=1)
-    from .quantizers import UniformQuantizer
-
-    return UniformQuantizer.fit(W, grid["bits"], symmetric=grid["sym"], granularity="group",
-                                group_size=grid["group_size"], method="minmax")
-
-
-def _decode(grid, codes) -> np.ndarray:
-    """``W_hat`` (float32) from codes, with the arithmetic of the grid's ``quantize``."""
-    return np.asarray(grid.dequantize(np.asarray(codes), dtype=np.float32))
 
 
 # -- calibration ---------------------------------------------------------------------------------
@@ -759,7 +739,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                     solves.submit(name, layer_key(name), lm.linear_weight(name), H_in, H_out)
                     return
                 t = time.perf_counter()
-                values = _solve_and_publish(work, name, layer_key(name),
+                values = solve_and_publish(work, name, layer_key(name),
                                             lm.linear_weight(name), H_in, H_out, grid, tile,
                                             solve_settings)
                 published(name, time.perf_counter() - t, values)
@@ -841,58 +821,6 @@ def _out_settings(damp, damp_out, shrink_out) -> dict:
     damp_out = _checked(check_damp, damp_out, "damp_out")
     shrink_out = 0.0 if shrink_out is None else _checked(check_shrink, shrink_out, "shrink_out")
     return {"damp": float(damp), "damp_out": float(damp_out), "shrink_out": float(shrink_out)}
-
-
-def _solve_kwargs(settings, H_out) -> dict:
-    """``quantize_layer``'s damping arguments for one layer (``settings``: a number, the
-    damping of both factors, or the dict of :func:`_out_settings`)."""
-    if not isinstance(settings, dict):
-        return {"damp": float(settings)}
-    kw = {"damp": settings["damp"]}
-    if H_out is None:
-        return kw
-    if settings.get("out") == "auto":
-        from .factors import auto_regularization
-
-        kw["shrink_out"], kw["damp_out"] = auto_regularization(H_out.shape[0],
-                                                               settings["tokens"])
-    else:
-        kw["shrink_out"], kw["damp_out"] = settings["shrink_out"], settings["damp_out"]
-    return kw
-
-
-def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp):
-    """Fit ``W``'s grid, round the layer onto it (round-to-nearest when ``H_in`` is None)
-    and publish its codes write-once; returns ``W_hat``. The one body of a layer's solve,
-    in this process and on a Dask worker (bakron.distributed._model_jobs), so both write
-    the same bytes. ``damp``: see :func:`_solve_kwargs`."""
-    t = time.perf_counter()
-    q = _fit_grid(W, grid)
-    if H_in is None:
-        values, codes = q.rtn(W)
-    else:
-        from .layer import quantize_layer
-
-        res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), metrics="none",
-                             **_solve_kwargs(damp, H_out))
-        values, codes = res.values, res.codes
-    _publish(work, name, key, q, values, codes, seconds=time.perf_counter() - t)
-    return values
-
-
-def _publish(work, name, key, q, values, codes, *, seconds):
-    """Write one layer's codes write-once, after checking that they decode to ``values``."""
-    from ._lib.pipeline import codes_dtype
-    from .distributed._outputs import publish_tensors
-
-    c = np.asarray(_xp.to_numpy(codes))
-    v = np.asarray(_xp.to_numpy(values), dtype=np.float32)
-    if not np.array_equal(_decode(q, c), v):   # the file must give back exactly W_hat
-        raise RuntimeError(f"layer {name}: the codes do not decode to the solver's values")
-    final = str(Path(work) / "layers" / f"{name}.safetensors")
-    publish_tensors(final, {"codes": c.astype(codes_dtype(q))},
-                    {"key": key, "name": name, "seconds": f"{seconds:.6f}"}, _LAYER_FORMAT,
-                    out_dir=str(work), journal={"layer": name})
 
 
 def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish):
