@@ -405,7 +405,7 @@ def test_sim_fused_stack_checks_decide_as_the_passes(monkeypatch):
     per-array passes accept and raises their errors in their order: NaN/Inf in W or a
     factor, a factor that is not ``L - I``, a stack of one; ``stack_checks`` counts as
     ``count_nonfinite`` and finds the largest entry where ``L - I`` is zero."""
-    from bakron import solvers
+    from bakron.solvers import _execute as solvers
     from bakron.backends import numba_cuda as nc
     W, AO, AI, qs = _stack(4, 4, 9, 7, 3, 1)
     W32 = W.astype(np.float32)
