@@ -83,10 +83,10 @@ def test_simulator_suite():
 
 @sim_only
 def test_sim_engine_available_and_capabilities():
-    from bakron.solvers import engines
+    from bakron.solvers import engines, registry
     from bakron.solvers._problem import Problem
     import array_api_compat.numpy as xnp
-    mod = engines.load("cuda")
+    mod = registry.load("cuda")
     assert mod is not None and mod.available() and isinstance(mod, engines.Engine)
     caps = mod.CAPABILITIES
     W, AO, AI, q = _problem(0, 8, 6, 2, 2)

@@ -12,14 +12,14 @@ from typing import Any
 from .. import _xp
 from .._validate import (check_factor_block, check_finite, check_result_finite, map_strips,
                          row_strips)
-from . import engines
+from . import registry
 from ._problem import Problem
 from .engines import COUNT_NONFINITE, FACTOR_SCAN, INPUT_CHECKS, offers
 
 __all__ = ["METHODS", "ENGINES", "SolveResult", "execute", "check_wavefront"]
 
 METHODS = ("auto", "naive", "antidiagonal", "recursive", "wavefront")
-ENGINES = ("auto", *engines.ENGINE_MODULES)
+ENGINES = ("auto", *registry.ENGINE_MODULES)
 
 
 @dataclass
@@ -67,12 +67,12 @@ def _pick_engine(engine: str, p: Problem, method: str, variant: str):
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "auto":
         for name in ("cuda", "numba") if _xp.is_cupy(p.xp) else ("numba",):
-            eng = engines.load(name)
+            eng = registry.load(name)
             if eng is not None and eng.CAPABILITIES.refusal(p) is None and (
                     method == "auto" or eng.CAPABILITIES.runs(method, variant)):
                 return eng
-        return engines.load("array_api")
-    eng = engines.load(engine)
+        return registry.load("array_api")
+    eng = registry.load(engine)
     if eng is None:
         raise ValueError(f"engine={engine!r} is not available here (its imports failed or "
                          f"there is no device); use engine='array_api' or 'auto'")
@@ -160,9 +160,9 @@ def _compiled(xp, engine: str):
     solve, docs/engines.md, "Many cores"; on the H200 about 3 ms of a 5 ms solve at 1024²,
     "Checks on the GPU"). The decisions and messages stay here."""
     if _xp.is_numpy(xp) and engine in ("auto", "numba"):
-        return engines.load("numba")
+        return registry.load("numba")
     if _xp.is_cupy(xp) and engine in ("auto", "cuda"):
-        return engines.load("cuda")
+        return registry.load("cuda")
     return None
 
 
