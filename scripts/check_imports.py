@@ -7,8 +7,10 @@ Every ``.py`` file of ``bakron/`` and ``backends/`` (installed as ``bakron.backe
 parsed with :mod:`ast`; every ``import`` / ``from ... import`` statement counts wherever it
 stands: at module level, inside a function or method (lazy imports), under ``try`` or
 ``if``. Relative imports are resolved against the importing module's package.
-``importlib.import_module("literal")`` calls count too; an ``import_module`` of a computed
-name (the engine registry) cannot be resolved and is left out.
+Imports by name count too: ``importlib.import_module("literal")``, and in a module that calls
+``import_module`` with a computed name (a registry, such as the engines' ``ENGINE_MODULES`` or
+the CLI's demo table), every string constant that is exactly the name of one of our modules
+is an edge from that module.
 
 The rule for packages (``__init__.py``):
 
@@ -92,13 +94,26 @@ def imports_of(name: str, files: dict[str, Path]) -> list[tuple[str, int]]:
                 target = sub if sub in files else _known(base, files)
                 if target:
                     out.append((target, node.lineno))
-        elif (isinstance(node, ast.Call) and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-              and (getattr(node.func, "attr", None) == "import_module"
-                   or getattr(node.func, "id", None) == "import_module")):
-            target = _known(node.args[0].value, files)
+    # import by name: importlib.import_module("literal"), and where a module imports a
+    # computed name (a registry such as solvers.registry.ENGINE_MODULES), every string
+    # constant of that module that is exactly the name of one of our modules
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and node.args
+             and (getattr(node.func, "attr", None) == "import_module"
+                  or getattr(node.func, "id", None) == "import_module")]
+    computed = False
+    for call in calls:
+        arg = call.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            target = _known(arg.value, files)
             if target:
-                out.append((target, node.lineno))
+                out.append((target, call.lineno))
+        else:
+            computed = True
+    if computed:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value in files and node.value != name:
+                out.append((node.value, node.lineno))
     return out
 
 
