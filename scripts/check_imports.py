@@ -1,7 +1,11 @@
-"""Report the import cycles of bakron's modules (docs/architecture.md: no circle).
+"""Report the import cycles of bakron's modules and the imports that run up the layers
+(docs/architecture.md: no circle, at most one arrow back up).
 
-    python scripts/check_imports.py            # exit 0: no cycle; 1: cycles, each listed
+    python scripts/check_imports.py            # exit 0: clean; 1: each problem listed
     python scripts/check_imports.py --edges    # also print every edge (importer -> imported)
+
+Exit 1 when there is a cycle, a module that is in no layer of :data:`LAYERS`, or more than
+:data:`MAX_UP` imports from a layer to a layer above it.
 
 Every ``.py`` file of ``bakron/`` and ``backends/`` (installed as ``bakron.backends``) is
 parsed with :mod:`ast`; every ``import`` / ``from ... import`` statement counts wherever it
@@ -37,6 +41,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: source folders and the package each is installed as (pyproject's package-dir)
 SOURCES = (("bakron", "bakron"), ("backends", "bakron.backends"))
+
+#: The layers of docs/architecture.md, bottom first. An entry is a module's name, or
+#: ``"pkg.*"`` for a package and everything below it; the most specific entry wins
+#: (``bakron.solvers.schedule`` before ``bakron.solvers.*``). A module that no entry names
+#: (a new top-level module) must be added here.
+LAYERS = (
+    ("foundations", ("bakron._xp", "bakron._validate", "bakron.quantizers", "bakron.factors",
+                     "bakron._lib.*", "bakron._safetensors")),
+    ("schedule", ("bakron.solvers.schedule",)),
+    ("engine contract", ("bakron.solvers.engines", "bakron.solvers.options",
+                         "bakron.solvers._problem")),
+    ("kernels", ("bakron.backends._numba_kernels", "bakron.backends._cuda_kernels",
+                 "bakron.backends._cuda_layout", "bakron.backends._cuda_launch")),
+    ("engines", ("bakron.backends.*", "bakron.solvers.array_api", "bakron.solvers.naive",
+                 "bakron.solvers.antidiagonal", "bakron.solvers.recursive")),
+    ("public API", ("bakron", "bakron.solvers.*", "bakron.layer", "bakron.layer_groups",
+                    "bakron.hessian.*")),
+    ("models and formats", ("bakron.models.*", "bakron.io", "bakron.factor_files",
+                            "bakron.export.*", "bakron.distributed._outputs")),
+    ("pipeline", ("bakron.pipeline",)),
+    ("applications", ("bakron.cli", "bakron.__main__", "bakron.quantize_model",
+                      "bakron.distributed.*", "bakron.demo.*", "bakron.benchmarks.*",
+                      "bakron.bench", "bakron.bench_gpu", "bakron.bench_stack")),
+)
+#: imports allowed to run from a layer up to a higher one (docs/architecture.md: at most one)
+MAX_UP = 1
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -175,6 +205,30 @@ def cycles(edges: dict[str, dict[str, list[int]]]) -> list[list[str]]:
     return sorted(found)
 
 
+def layer_of(name: str) -> int | None:
+    """Index in :data:`LAYERS` of module ``name`` (``None``: in no layer)."""
+    best = None
+    for i, (_, entries) in enumerate(LAYERS):
+        for e in entries:
+            pkg = e[:-2] if e.endswith(".*") else None
+            hit = name == e or (pkg is not None and (name == pkg or name.startswith(pkg + ".")))
+            rank = len(e) + (1 if pkg is None else 0)   # an exact name beats its package's .*
+            if hit and (best is None or rank > best[1]):
+                best = (i, rank)
+    return None if best is None else best[0]
+
+
+def upward(edges) -> list[tuple[str, str]]:
+    """The imports from a layer to a layer above it, ``[(importer, imported), ...]``."""
+    out = []
+    for a in sorted(edges):
+        for b in sorted(edges[a]):
+            la, lb = layer_of(a), layer_of(b)
+            if la is not None and lb is not None and lb > la:
+                out.append((a, b))
+    return out
+
+
 def report(files, edges, comps, root: Path = ROOT) -> str:
     lines = []
     for k, comp in enumerate(comps, 1):
@@ -200,12 +254,23 @@ def main(argv=None) -> int:
                 print(f"{a} -> {b}")
     comps = cycles(edges)
     n_edges = sum(len(v) for v in edges.values())
+    bad = False
     if comps:
         print(report(files, edges, comps))
         print(f"{len(comps)} import cycle(s) among {len(files)} modules ({n_edges} edges)")
-        return 1
-    print(f"no import cycle among {len(files)} modules ({n_edges} edges)")
-    return 0
+        bad = True
+    else:
+        print(f"no import cycle among {len(files)} modules ({n_edges} edges)")
+    lost = [m for m in sorted(files) if layer_of(m) is None]
+    for m in lost:
+        print(f"module {m} ({files[m].relative_to(ROOT)}) is in no layer: add it to LAYERS "
+              f"in scripts/check_imports.py (and to docs/architecture.md)")
+    up = upward(edges)
+    for a, b in up:
+        print(f"up: {a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})    "
+              f"({files[a].relative_to(ROOT)}:{', '.join(map(str, edges[a][b]))})")
+    print(f"{len(up)} import(s) running up the layers (at most {MAX_UP})")
+    return 1 if bad or lost or len(up) > MAX_UP else 0
 
 
 if __name__ == "__main__":

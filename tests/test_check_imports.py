@@ -20,6 +20,21 @@ def test_bakron_has_no_import_cycle():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.startswith("no import cycle among ")
+    files, edges = ci.import_graph()
+    assert ci.cycles(edges) == []
+    assert [m for m in files if ci.layer_of(m) is None] == []
+    assert len(ci.upward(edges)) <= ci.MAX_UP, ci.upward(edges)
+
+
+def test_layers_name_modules_and_find_arrows_up():
+    layer = {name: i for i, (name, _) in enumerate(ci.LAYERS)}
+    assert ci.layer_of("bakron.solvers.schedule") == layer["schedule"]   # exact beats pkg.*
+    assert ci.layer_of("bakron.solvers.stack") == layer["public API"]
+    assert ci.layer_of("bakron.hessian.new_stage") == layer["public API"]
+    assert ci.layer_of("bakron.brand_new") is None                      # must be placed
+    edges = {"bakron._lib.fs": {"bakron.io": [3], "bakron._xp": [4]},
+             "bakron.io": {"bakron._lib.fs": [5]}, "bakron._xp": {}}
+    assert ci.upward(edges) == [("bakron._lib.fs", "bakron.io")]
 
 
 def test_the_graph_holds_lazy_relative_and_backend_imports():
