@@ -2,9 +2,9 @@
 write-once publication (link without replace), durable appends, checksums.
 
 Every temporary name contains :data:`TMP_MARK` (``".tmp-"``), so that cleaners can recognise
-leftovers of a killed writer. This is the one module of bakron that makes temporary files,
-fsyncs and renames them; the layer files of ``bakron quantize-model`` and the Dask runner
-(:mod:`bakron.distributed._outputs`) and the factor files use its primitives.
+leftovers of a killed writer. The file mechanics of bakron's outputs live here: the reports
+and manifests, the factor files, and the write-once layer files of ``bakron quantize-model``
+and the Dask runner (:mod:`bakron.distributed._outputs` keeps only their format and checks).
 """
 from __future__ import annotations
 
