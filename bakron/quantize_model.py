@@ -42,8 +42,8 @@ folder").
 
 Scale-out (``scheduler=`` / ``gpus=`` / ``client=``, docs/export.md "Devices and scale-out"):
 the factors are collected here and each layer's solve runs as one Dask task
-(:mod:`bakron.distributed._model_jobs`) through the same :func:`bakron.pipeline.solve_and_publish`, so the
-layer files and the export are the same.
+(:mod:`bakron.distributed._model_jobs`) through the same
+:func:`bakron.pipeline.solve_and_publish`, so the layer files and the export are the same.
 """
 from __future__ import annotations
 
@@ -740,8 +740,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                     return
                 t = time.perf_counter()
                 values = solve_and_publish(work, name, layer_key(name),
-                                            lm.linear_weight(name), H_in, H_out, grid, tile,
-                                            solve_settings)
+                                           lm.linear_weight(name), H_in, H_out, grid, tile,
+                                           solve_settings)
                 published(name, time.perf_counter() - t, values)
 
             if solves is not None:

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("check_imports", ROOT / "scripts" / "check_imports.py")
+_spec = importlib.util.spec_from_file_location("check_imports",
+                                               ROOT / "scripts" / "check_imports.py")
 ci = importlib.util.module_from_spec(_spec)
 sys.modules["check_imports"] = ci
 _spec.loader.exec_module(ci)
