@@ -10,6 +10,6 @@ kernels:
 ``numba_cuda`` (engine ``"cuda"``)
     a numba-cuda kernel (``_cuda_kernels``, launch layout in ``_cuda_layout``) and cuBLAS.
 
-They are imported lazily by :func:`bakron.solvers.engines.load` (``import bakron`` never
+They are imported lazily by :func:`bakron.solvers.registry.load` (``import bakron`` never
 imports numba or cupy). docs/architecture.md says where a new engine goes.
 """

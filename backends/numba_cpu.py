@@ -578,16 +578,23 @@ def stack_threads(chunk, cores: int) -> int:
 
 
 def warm_up() -> None:
-    """Compile (or load from cache) every kernel for float32 and float64 on a tiny problem."""
-    import bakron
+    """Compile (or load from cache) every kernel for float32 and float64 on a tiny problem:
+    what ``bakron.solve(..., engine="numba")`` runs (the checks' passes, every method),
+    called here directly so that the engine does not import the public API above it."""
+    from bakron import _xp
+    from bakron.quantizers import UniformQuantizer
+    from bakron.solvers._problem import Problem
 
+    quiet_blas()
     rng = np.random.default_rng(0)
     for dt in (np.float32, np.float64):
         W = rng.standard_normal((8, 8)).astype(dt)
         A = np.tril(rng.standard_normal((8, 8)), -2).astype(dt)
-        q = bakron.UniformQuantizer(2, 0.5)
+        q = UniformQuantizer(2, 0.5)
+        count_nonfinite(W)
+        factor_scan(A, 2)
         for A_out in (A, None):
             for method, variant in (("recursive", "accumulator"), ("antidiagonal", "accumulator"),
                                     ("antidiagonal", "direct"), ("wavefront", "accumulator")):
-                bakron.solve(W, A_out, A, q, tile=2, method=method, variant=variant,
-                             engine="numba", base=1)
+                p = Problem(_xp.namespace(W), W, A_out, A, q, (2, 2))
+                count_nonfinite(run(p, method, 1, variant).values)

@@ -249,7 +249,7 @@ def check_factor_block(xp, A, block: int, name: str, recorded: int | None = None
     refused wrongly.
 
     ``scan``: the statistics of a strictly block-lower ``A`` from a compiled pass
-    (``bakron.solvers._factor_scan``: ``(_, row_any, first, col_any)``); without it they are
+    (``bakron.solvers._execute._factor_scan``: ``(_, row_any, first, col_any)``); without it they are
     computed here in row strips. ``coarse_tile``: the decision made already by a fused pass
     (``numba_cuda.input_checks``): the first tile ``k`` with the signature, 0 for none.
     """

@@ -662,7 +662,7 @@ def _check_options(args) -> None:
 def _quantize_one(args, xp, tensors, info) -> tuple[dict, dict]:
     """Quantize one layer through the pipeline shared with the Dask runner: (arrays to
     write, report entry)."""
-    from ._lib.pipeline import quantize_arrays
+    from .pipeline import quantize_arrays
 
     t0 = time.perf_counter()
     settings = _settings(args)
@@ -698,7 +698,7 @@ def _quantize_chunk(args, xp, infos) -> list:
     exactly as alone (docs/cli.md "Stacks"); a stack that fails as a whole is run layer by
     layer."""
     from . import io
-    from ._lib.pipeline import quantize_arrays_stack
+    from .pipeline import quantize_arrays_stack
 
     def alone(info):
         try:

@@ -141,7 +141,7 @@ def _prepare_entries(h_in, h_out, dtype, prefix: str) -> tuple[dict, dict]:
 
 
 def _write(path, tensors, meta, metadata, overwrite):
-    from .distributed._fs import atomic_save_tensors
+    from ._lib.fs import atomic_save_tensors
 
     path = os.fspath(path)
     if os.path.exists(path) and not overwrite:

@@ -42,8 +42,8 @@ folder").
 
 Scale-out (``scheduler=`` / ``gpus=`` / ``client=``, docs/export.md "Devices and scale-out"):
 the factors are collected here and each layer's solve runs as one Dask task
-(:mod:`bakron.distributed._model_jobs`) through the same :func:`_solve_and_publish`, so the
-layer files and the export are the same.
+(:mod:`bakron.distributed._model_jobs`) through the same
+:func:`bakron.pipeline.solve_and_publish`, so the layer files and the export are the same.
 """
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ from . import _xp
 from ._lib.fs import atomic_write_json
 from ._validate import check_bits, check_damp, check_int
 from .io import InputError, OutputExistsError
+from .pipeline import LAYER_FORMAT as _LAYER_FORMAT
+from .pipeline import decode as _decode
+from .pipeline import fit_grid as _fit_grid
+from .models.llm.calibration import calibration_sequences
+from .pipeline import rotation as _rotation
+from .pipeline import solve_and_publish
 
 __all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_sequences",
            "perplexity_and_kl", "reference_log_probs"]
@@ -68,7 +74,6 @@ __all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_s
 FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
 FACTORS = ("rtn", "input", "global", "input+global-out")
 _GGUF_BITS = {"gguf-q4_0": 4, "gguf-q4_1": 4, "gguf-q8_0": 8}
-_LAYER_FORMAT = "bakron-model-layer"
 _RUN_FILE = "run.json"
 _VERSION = 2   # 2: layers keyed on full hashes of the weights
 
@@ -115,29 +120,6 @@ def _grid_settings(fmt, bits, group_size, sym):
             "sym": True if sym is None else bool(sym)}
 
 
-def _fit_grid(W, grid: dict):
-    """The grid of one layer, fitted to ``W`` by the format's rule (deterministic)."""
-    fmt = grid["format"]
-    if fmt in _GGUF_BITS:
-        from .export import fit_block_grid
-
-        return fit_block_grid(W, fmt.split("-")[1].upper())
-    if fmt == "gptq":
-        from .export import GPTQGrid
-
-        return GPTQGrid.fit(W, grid["bits"], group_size=grid["group_size"], sym=grid["sym"],
-                            min_zero=1)
-    from .quantizers import UniformQuantizer
-
-    return UniformQuantizer.fit(W, grid["bits"], symmetric=grid["sym"], granularity="group",
-                                group_size=grid["group_size"], method="minmax")
-
-
-def _decode(grid, codes) -> np.ndarray:
-    """``W_hat`` (float32) from codes, with the arithmetic of the grid's ``quantize``."""
-    return np.asarray(grid.dequantize(np.asarray(codes), dtype=np.float32))
-
-
 # -- calibration ---------------------------------------------------------------------------------
 
 #: ``--calib`` values that sample part or all of the calibration text from the model itself
@@ -182,23 +164,6 @@ def _builtin_split():
     held = set(rng.sample(topics, max(1, len(topics) // 4)))
     return ([s for t in topics if t not in held for s in by_topic[t]],
             [s for t in topics if t in held for s in by_topic[t]])
-
-
-def calibration_sequences(lm, docs, n_seqs: int, seq_len: int) -> list[list[int]]:
-    """``n_seqs`` token sequences of ``seq_len`` tokens cut from the documents' tokens laid end
-    to end (EOS between documents when the model has one); fewer when the text runs out (the
-    last one may be shorter, at least 2 tokens)."""
-    stream: list[int] = []
-    eos = getattr(lm.config, "eos_id", None)
-    need = n_seqs * seq_len
-    for ids in lm.tokenize(docs):
-        stream.extend(ids)
-        if eos is not None and 0 <= eos < lm.config.vocab_size:
-            stream.append(int(eos))
-        if len(stream) >= need:
-            break
-    seqs = [stream[i:i + seq_len] for i in range(0, min(len(stream), need), seq_len)]
-    return [s for s in seqs if len(s) >= 2]
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -802,9 +767,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
                     solves.submit(name, layer_key(name), lm.linear_weight(name), H_in, H_out)
                     return
                 t = time.perf_counter()
-                values = _solve_and_publish(work, name, layer_key(name),
-                                            lm.linear_weight(name), H_in, H_out, grid, tile,
-                                            solve_settings, incoherence=incoherence)
+                values = solve_and_publish(work, name, layer_key(name),
+                                           lm.linear_weight(name), H_in, H_out, grid, tile,
+                                           solve_settings, incoherence=incoherence)
                 published(name, time.perf_counter() - t, values)
 
             if solves is not None:
@@ -872,15 +837,6 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
             solves.close()
 
 
-def _rotation(W, incoherence):
-    """The :class:`~bakron.incoherence.Incoherence` of ``W``'s shape, or ``None``."""
-    if incoherence is None:
-        return None
-    from .incoherence import Incoherence
-
-    return Incoherence(*W.shape, seed=incoherence)
-
-
 def _out_settings(damp, damp_out, shrink_out) -> dict:
     """The solve settings: ``{"damp"}`` plus ``{"out": "auto"}`` or ``{"damp_out",
     "shrink_out"}`` (``InputError`` naming a bad value)."""
@@ -896,66 +852,6 @@ def _out_settings(damp, damp_out, shrink_out) -> dict:
     damp_out = _checked(check_damp, damp_out, "damp_out")
     shrink_out = 0.0 if shrink_out is None else _checked(check_shrink, shrink_out, "shrink_out")
     return {"damp": float(damp), "damp_out": float(damp_out), "shrink_out": float(shrink_out)}
-
-
-def _solve_kwargs(settings, H_out) -> dict:
-    """``quantize_layer``'s damping arguments for one layer (``settings``: a number, the
-    damping of both factors, or the dict of :func:`_out_settings`)."""
-    if not isinstance(settings, dict):
-        return {"damp": float(settings)}
-    kw = {"damp": settings["damp"]}
-    if H_out is None:
-        return kw
-    if settings.get("out") == "auto":
-        from .factors import auto_regularization
-
-        kw["shrink_out"], kw["damp_out"] = auto_regularization(H_out.shape[0],
-                                                               settings["tokens"])
-    else:
-        kw["shrink_out"], kw["damp_out"] = settings["shrink_out"], settings["damp_out"]
-    return kw
-
-
-def _solve_and_publish(work, name, key, W, H_in, H_out, grid, tile, damp, incoherence=None):
-    """Fit ``W``'s grid, round the layer onto it (round-to-nearest when ``H_in`` is None)
-    and publish its codes write-once; returns ``W_hat``. The one body of a layer's solve,
-    in this process and on a Dask worker (bakron.distributed._model_jobs), so both write
-    the same bytes. ``damp``: see :func:`_solve_kwargs`. With ``incoherence`` (a seed) the
-    layer is rotated on both sides first
-    (:mod:`bakron.incoherence`): the codes are those of ``U W Vᵀ`` and ``W_hat`` is rotated
-    back."""
-    t = time.perf_counter()
-    rot = _rotation(W, incoherence)
-    if rot is not None:
-        W = rot.rotate_weight(W)
-        H_in = None if H_in is None else rot.rotate_in(H_in)
-        H_out = rot.rotate_out(H_out)
-    q = _fit_grid(W, grid)
-    if H_in is None:
-        values, codes = q.rtn(W)
-    else:
-        from .layer import quantize_layer
-
-        res = quantize_layer(W, H_in, H_out, quantizer=q, tile=tuple(tile), metrics="none",
-                             **_solve_kwargs(damp, H_out))
-        values, codes = res.values, res.codes
-    _publish(work, name, key, q, values, codes, seconds=time.perf_counter() - t)
-    return values if rot is None else rot.unrotate_weight(values)
-
-
-def _publish(work, name, key, q, values, codes, *, seconds):
-    """Write one layer's codes write-once, after checking that they decode to ``values``."""
-    from ._lib.pipeline import codes_dtype
-    from .distributed._outputs import publish_tensors
-
-    c = np.asarray(_xp.to_numpy(codes))
-    v = np.asarray(_xp.to_numpy(values), dtype=np.float32)
-    if not np.array_equal(_decode(q, c), v):   # the file must give back exactly W_hat
-        raise RuntimeError(f"layer {name}: the codes do not decode to the solver's values")
-    final = str(Path(work) / "layers" / f"{name}.safetensors")
-    publish_tensors(final, {"codes": c.astype(codes_dtype(q))},
-                    {"key": key, "name": name, "seconds": f"{seconds:.6f}"}, _LAYER_FORMAT,
-                    out_dir=str(work), journal={"layer": name})
 
 
 def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish):

@@ -173,16 +173,27 @@ def grid_of(W, bits):
 
 def solve_variant(W, F, bits, v, tokens, tile=(16, 16)):
     """``W_hat`` of one variant: ``v`` is a dict (``factors`` rtn|input|global|local_in,
-    optional ``shrink``, ``damp_out``, ``kfac_out``, ``auto``)."""
+    optional ``shrink``, ``damp_out``, ``kfac_out``, ``auto``, ``incoherence`` (a seed: both
+    sides rotated before rounding, bakron.incoherence; the grid is fitted to the rotated W))."""
     from bakron.factors import auto_regularization
     from bakron.layer import quantize_layer
 
+    rot = None
+    if v.get("incoherence") is not None:
+        from bakron.incoherence import Incoherence
+
+        rot = Incoherence(*W.shape, seed=v["incoherence"])
+        W = rot.rotate_weight(W)
     q = grid_of(W, bits)
     kind = v["factors"]
     if kind == "rtn":
-        return np.asarray(q.rtn(W)[0], np.float32)
+        vals = q.rtn(W)[0]
+        return np.asarray(vals if rot is None else rot.unrotate_weight(vals), np.float32)
     H_in = F["kin"] if kind in ("input", "local_in") else F["in"]
     H_out = None if kind == "input" else (F["kout"] if v.get("kfac_out") else F["out"])
+    if rot is not None:
+        H_in = rot.rotate_in(H_in)
+        H_out = None if H_out is None else rot.rotate_out(H_out)
     kw = {}
     if H_out is not None:
         if v.get("auto"):
@@ -191,7 +202,7 @@ def solve_variant(W, F, bits, v, tokens, tile=(16, 16)):
             kw["shrink_out"] = v.get("shrink", 0.0)
             kw["damp_out"] = v.get("damp_out", 0.01)
     r = quantize_layer(W, H_in, H_out, quantizer=q, tile=tile, damp=0.01, metrics="none", **kw)
-    return np.asarray(r.values, np.float32)
+    return np.asarray(r.values if rot is None else rot.unrotate_weight(r.values), np.float32)
 
 
 VARIANTS = {
@@ -204,6 +215,9 @@ VARIANTS = {
     **{f"global-d{d}": {"factors": "global", "damp_out": d / 100} for d in (10, 30, 100)},
     "global-auto": {"factors": "global", "auto": True},
     "local_in-auto": {"factors": "local_in", "auto": True},
+    **{f"{k}-inc": {**v, "incoherence": 0} for k, v in (
+        ("rtn", {"factors": "rtn"}), ("ldlq", {"factors": "input"}),
+        ("global", {"factors": "global"}), ("global-auto", {"factors": "global", "auto": True}))},
 }
 
 

@@ -83,10 +83,10 @@ def test_simulator_suite():
 
 @sim_only
 def test_sim_engine_available_and_capabilities():
-    from bakron.solvers import engines
+    from bakron.solvers import engines, registry
     from bakron.solvers._problem import Problem
     import array_api_compat.numpy as xnp
-    mod = engines.load("cuda")
+    mod = registry.load("cuda")
     assert mod is not None and mod.available() and isinstance(mod, engines.Engine)
     caps = mod.CAPABILITIES
     W, AO, AI, q = _problem(0, 8, 6, 2, 2)
@@ -405,7 +405,7 @@ def test_sim_fused_stack_checks_decide_as_the_passes(monkeypatch):
     per-array passes accept and raises their errors in their order: NaN/Inf in W or a
     factor, a factor that is not ``L - I``, a stack of one; ``stack_checks`` counts as
     ``count_nonfinite`` and finds the largest entry where ``L - I`` is zero."""
-    from bakron import solvers
+    from bakron.solvers import _execute as solvers
     from bakron.backends import numba_cuda as nc
     W, AO, AI, qs = _stack(4, 4, 9, 7, 3, 1)
     W32 = W.astype(np.float32)

@@ -83,7 +83,7 @@ def test_a_failed_stack_publishes_what_it_solved_and_a_retry_skips_it(layers, tm
     os.makedirs(os.path.join(out, "layers"))
     keys = [job_key(j) for j in jobs]
     stems = [j.name for j in jobs]
-    from bakron._lib import pipeline
+    from bakron import pipeline
 
     orig = pipeline.quantize_arrays_stack
 

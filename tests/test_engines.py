@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import bakron
 from _problems import make_quantizer, problem
-from bakron.solvers import engines
+from bakron.solvers import engines, registry
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT, Block,
                                      RecursionPlan, step_count, step_width, tile_edges,
                                      tile_wavefront, two_level)
@@ -21,7 +21,7 @@ from conftest import HAS_GPU, REFERENCE_CASES
 
 
 def _engine_or_skip(name):
-    eng = engines.load(name)
+    eng = registry.load(name)
     if eng is None:
         pytest.skip(f"engine {name!r} cannot run here")
     return eng
@@ -54,12 +54,12 @@ def _host(x):
     return bakron._xp.to_numpy(x)
 
 
-ENGINE_NAMES = list(engines.ENGINE_MODULES)
+ENGINE_NAMES = list(registry.ENGINE_MODULES)
 
 
 def test_every_engine_satisfies_the_contract():
     for name in ENGINE_NAMES:
-        eng = engines.load(name)
+        eng = registry.load(name)
         if eng is None:
             continue
         assert isinstance(eng, engines.Engine), name
@@ -140,7 +140,7 @@ def test_capability_table_is_consulted_before_any_work():
     q = bakron.UniformQuantizer.fit(W, 3)
     with pytest.raises(ValueError, match="not available on engine 'array_api'"):
         bakron.solve(W, f_out.A, f_in.A, q, tile=4, method="wavefront", engine="array_api")
-    if engines.load("numba") is not None:
+    if registry.load("numba") is not None:
         with pytest.raises(ValueError, match="method='naive' is not available on engine"):
             bakron.solve(W, f_out.A, f_in.A, q, tile=4, method="naive", engine="numba")
         class Shifted(bakron.UniformQuantizer):
@@ -161,7 +161,7 @@ def test_engines_hand_back_new_arrays():
     q = bakron.UniformQuantizer.fit(W, 3)
     copies = [x.copy() for x in (W, f_in.A, f_out.A)]
     for name in ("array_api", "numba"):
-        if engines.load(name) is None:
+        if registry.load(name) is None:
             continue
         for method in ("recursive", "antidiagonal"):
             r = bakron.solve(W, f_out.A, f_in.A, q, tile=4, engine=name, method=method,
@@ -180,7 +180,7 @@ def test_engines_leave_the_problem_as_it_was():
     W, f_in, f_out = problem(2, 20, 18, 4, 4)
     q = bakron.UniformQuantizer.fit(W, 3)
     for name in ENGINE_NAMES:
-        eng = engines.load(name)
+        eng = registry.load(name)
         if eng is None or eng.CAPABILITIES.namespaces == ("cupy",):
             continue
         for method in ("recursive", "antidiagonal"):

@@ -264,9 +264,9 @@ def test_cli_writes_the_export(models, tmp_path, capsys):
 
 
 def test_cli_interrupt_keeps_the_finished_layers(models, tmp_path, capsys, monkeypatch):
-    import bakron.quantize_model as qm
+    import bakron.pipeline as pipeline
 
-    real = qm._publish
+    real = pipeline.publish
     count = []
 
     def dies(*a, **k):
@@ -275,12 +275,12 @@ def test_cli_interrupt_keeps_the_finished_layers(models, tmp_path, capsys, monke
         if len(count) == 3:
             raise KeyboardInterrupt   # Ctrl-C after the third layer
 
-    monkeypatch.setattr(qm, "_publish", dies)
+    monkeypatch.setattr(pipeline, "publish", dies)
     rc, out = _cli(models, tmp_path, "--factors", "input")
     err = capsys.readouterr().err
     assert rc == 130 and "kept in" in err and not out.exists()
     assert len(list((work_folder(out) / "layers").glob("*.safetensors"))) == 3
-    monkeypatch.setattr(qm, "_publish", real)
+    monkeypatch.setattr(pipeline, "publish", real)
     rc = main(["quantize-model", str(models / "tiny.gguf"), "--out", str(out), "--factors",
                "input", "--calib-seqs", "4", "--calib-len", "16"])
     assert rc == 0 and "(3 resumed)" in capsys.readouterr().out and out.is_file()

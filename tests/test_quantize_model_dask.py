@@ -13,7 +13,6 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("tqdm")
 distributed = pytest.importorskip("distributed", reason="dask.distributed is not installed")
 
-import bakron.quantize_model as qm  # noqa: E402
 from bakron.cli import main  # noqa: E402
 from bakron.io import InputError  # noqa: E402
 from bakron.quantize_model import quantize_model, work_folder  # noqa: E402
@@ -79,7 +78,9 @@ def test_cli_scheduler_address(models, tmp_path, cluster, local_exports, capsys)
 
 
 def test_a_failed_task_is_retried(models, tmp_path, client, local_exports, monkeypatch):
-    real = qm._solve_and_publish
+    import bakron.pipeline as pipeline
+
+    real = pipeline.solve_and_publish
     tries: dict = {}
 
     def flaky(work, name, *a, **k):   # every layer's first attempt dies (e.g. a lost GPU)
@@ -88,7 +89,7 @@ def test_a_failed_task_is_retried(models, tmp_path, client, local_exports, monke
             raise OSError(f"simulated worker failure on {name}")
         return real(work, name, *a, **k)
 
-    monkeypatch.setattr(qm, "_solve_and_publish", flaky)
+    monkeypatch.setattr(pipeline, "solve_and_publish", flaky)
     out = tmp_path / "retried.gguf"
     quantize_model(models / "tiny.gguf", out, fmt="gguf-q4_0", factors="input", client=client,
                    retries=1, **FAST)

@@ -419,7 +419,7 @@ def test_extra_memory_within_four_b_m_n():
 def test_items_are_checked_once_by_the_stack(monkeypatch):
     """The stack checks every factor itself (before any work) and hands the items to the
     engine without the single solve's per-item checks."""
-    import bakron.solvers as solvers
+    import bakron.solvers._execute as solvers
 
     W, A_out, A_in = _simple(B=6, m=16, n=16)
     A_in[2, 0, 9] = 0.5            # item 2 breaks the structure: the stack's own check finds it

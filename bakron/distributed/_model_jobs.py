@@ -4,7 +4,7 @@
 The factor collection stays in the driver (it is the model's forward and backward passes).
 Each layer's solve is one Dask task, submitted as soon as the layer's factors are final (the
 driver's ``finish`` callback): the task receives ``W``, ``H_in``, ``H_out`` as host arrays,
-moves them to its own device and runs ``quantize_model._solve_and_publish``, the body the
+moves them to its own device and runs :func:`bakron.pipeline.solve_and_publish`, the body the
 driver runs without Dask, which publishes the layer file write-once into ``OUT.work/``. The
 driver counts a layer when its task has finished, so the progress bar and the resume logic
 see the same files either way.
@@ -34,12 +34,12 @@ def solve_task(work: str, name: str, key: str, W, H_in, H_out, grid: dict, tile,
     """The body of one layer task (runs on a worker): the arrays on the worker's ``device``,
     then the driver's own solve-and-publish. Returns ``{"name", "seconds", "worker"}``."""
     from ..demo._common import namespace
-    from ..quantize_model import _solve_and_publish
+    from ..pipeline import solve_and_publish
 
     t = time.perf_counter()
     xp, _ = namespace(device)
     on = [None if a is None else xp.asarray(a) for a in (W, H_in, H_out)]
-    _solve_and_publish(work, name, key, *on, grid, tile, damp)
+    solve_and_publish(work, name, key, *on, grid, tile, damp)
     try:
         from distributed import get_worker
 

@@ -22,7 +22,7 @@ import uuid
 
 import numpy as np
 
-from ._fs import atomic_write_json, fsync_dir, publish_once, tmp_name, is_tmp_name
+from .._lib.fs import append_durable, atomic_write_json, is_tmp_name, sha256_file, write_once
 
 __all__ = ["LAYER_FORMAT", "MANIFEST_FORMAT", "layer_path", "write_layer_file", "publish_tensors",
            "verify_layer_file", "read_manifest", "write_manifest", "OutputLock", "LockHeld",
@@ -99,30 +99,23 @@ def publish_tensors(final: str, tensors: dict, metadata: dict, fmt: str, *,
     meta = dict(metadata)
     meta.setdefault("format_version", FORMAT_VERSION)
     meta.update(format=fmt, data_sha256=_data_digest(tensors), write_id=uuid.uuid4().hex)
-    tmp = tmp_name(final)
-    try:
-        write_tensors(tmp, tensors, file_format, metadata=meta)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        ok, _, checksum, _ = verify_layer_file(tmp, meta["key"], fmt=fmt,
-                                               file_format=file_format)
+    got: dict = {}
+
+    def check(tmp):
+        ok, _, got["checksum"], _ = verify_layer_file(tmp, meta["key"], fmt=fmt,
+                                                      file_format=file_format)
         if not ok:  # pragma: no cover - would mean the writer itself is broken
             raise OSError(f"{tmp}: the file just written does not verify")
-        if not publish_once(tmp, final):
-            ok_old, _, old_sum, _ = verify_layer_file(final, meta["key"], fmt=fmt,
-                                                      file_format=file_format)
-            if ok_old:
-                return final, old_sum, False
-            os.replace(tmp, final)  # an invalid leftover is in the way
-            fsync_dir(os.path.dirname(final))
-    finally:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+
+    def keep_existing(path):  # a valid twin got there first; an invalid leftover is replaced
+        ok_old, _, got["old"], _ = verify_layer_file(path, meta["key"], fmt=fmt,
+                                                     file_format=file_format)
+        return ok_old
+
+    if not write_once(final, lambda tmp: write_tensors(tmp, tensors, file_format, metadata=meta),
+                      check=check, keep_existing=keep_existing):
+        return final, got["old"], False
+    checksum = got["checksum"]
     if journal is not None and out_dir is not None:
         append_journal(out_dir, dict(journal, file=os.path.relpath(final, out_dir),
                                      checksum=checksum, write_id=meta["write_id"]))
@@ -184,7 +177,6 @@ def verify_layer_file(path: str, key: str | None = None, checksum: str | None = 
 def _verify_npz(path: str, key, checksum, fmt) -> tuple[bool, str, str | None, dict]:
     """:func:`verify_layer_file` for an npz layer file (read with the bounded npz reader)."""
     from ..io import InputError, read_npz
-    from ._fs import sha256_file
 
     if not os.path.exists(path):
         return False, "missing", None, {}
@@ -247,13 +239,8 @@ def clean_tmp(out_dir: str, older_than: float, sub: str = "layers") -> list[str]
 
 def append_journal(out_dir: str, record: dict) -> None:
     line = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode()
-    fd = os.open(os.path.join(_meta_dir(out_dir), "writes.log"),
-                 os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)  # one write() with O_APPEND: lines do not interleave (local FS)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    # one write() with O_APPEND: lines do not interleave (local FS)
+    append_durable(os.path.join(_meta_dir(out_dir), "writes.log"), line)
 
 
 def read_journal(out_dir: str) -> list[dict]:
@@ -304,7 +291,7 @@ def write_manifest(out_dir: str, layers: dict, extra: dict | None = None) -> Non
            "counts": counts, "layers": layers}
     if extra:
         doc.update(extra)
-    atomic_write_json(manifest_path(out_dir), doc)
+    atomic_write_json(manifest_path(out_dir), doc, sort_keys=True)
 
 
 # --------------------------------------------------------------------------------------------

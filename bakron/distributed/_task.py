@@ -111,7 +111,7 @@ def run_stack(jobs: list, out_dir: str, file_stems: list, keys: list,
               checksums: list | None = None) -> list[dict]:
     """Run a stack of same-shape layer jobs (one task): the layers whose file is already
     published are skipped, the others are read and solved as one stack
-    (:func:`bakron._lib.pipeline.quantize_arrays_stack`, each layer exactly as alone) and
+    (:func:`bakron.pipeline.quantize_arrays_stack`, each layer exactly as alone) and
     published one by one, write-once. Returns one record per job, as :func:`run_job` does.
 
     A layer whose inputs or settings are bad gets a ``failed`` record; any other error
@@ -121,7 +121,7 @@ def run_stack(jobs: list, out_dir: str, file_stems: list, keys: list,
     if len(jobs) == 1:
         return [run_job(jobs[0], out_dir, file_stems[0], keys[0],
                         None if checksums is None else checksums[0])]
-    from .._lib.pipeline import quantize_arrays_stack
+    from ..pipeline import quantize_arrays_stack
 
     t_start = time.perf_counter()
     info = _worker_info()
@@ -209,7 +209,7 @@ def _load(job, checksums):
 
 
 def _solve_and_write(job, out_dir, file_stem, key, checksums, rec, t_start):
-    from .._lib.pipeline import quantize_arrays
+    from ..pipeline import quantize_arrays
 
     s = canonical_settings(job.settings)
     W, H_in, H_out, _ = _load(job, checksums)

@@ -73,8 +73,8 @@ def solve_item(W, A_out, A_in, quantizer, eng, kw: dict):
 
     The stack has checked every item already, so the item skips :func:`bakron.solve`'s checks
     (structure of both factors, finiteness: about a quarter of a 256² solve) and runs what
-    ``solve`` runs after them, :func:`bakron.solvers.execute`."""
-    from . import execute
+    ``solve`` runs after them, :func:`bakron.solvers._execute.execute`."""
+    from ._execute import execute
     from ._problem import Problem
 
     p = Problem(_xp.namespace(W), W, A_out, A_in, quantizer, kw["tile"],

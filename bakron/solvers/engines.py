@@ -27,16 +27,10 @@ namespace is taken once there), picks the engine and calls ``run``.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from .. import _xp
-
-#: every engine name ``solve`` accepts besides ``"auto"``, and the module that holds it
-ENGINE_MODULES = {"array_api": "bakron.solvers.array_api",
-                  "numba": "bakron.backends.numba_cpu",
-                  "cuda": "bakron.backends.numba_cuda"}
 
 #: quantizer kinds of the capability table
 ANY_QUANTIZER = "any"          # anything with quantize(targets) -> (values, codes)
@@ -181,19 +175,3 @@ class EngineHooks(Protocol):
 def offers(eng, hook: str) -> bool:
     """Whether the engine ``eng`` (``None``: no engine) declares the optional hook ``hook``."""
     return eng is not None and eng.CAPABILITIES.has(hook)
-
-
-def load(name: str):
-    """The engine ``name``, or ``None`` when it cannot run here (imports fail, no device)."""
-    modname = ENGINE_MODULES.get(name)
-    if modname is None:
-        raise ValueError(f"unknown engine {name!r}; choose from {['auto', *ENGINE_MODULES]}")
-    try:
-        mod = importlib.import_module(modname)
-    except ImportError:
-        return None
-    try:
-        ok = mod.available()
-    except Exception:
-        ok = False
-    return mod if ok else None

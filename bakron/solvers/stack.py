@@ -37,6 +37,8 @@ import numpy as np
 
 from .. import _xp
 from .._validate import check_factor_shape, check_finite, check_tile, factor_array, native
+from . import _execute as solvers  # the single-layer solve's engine choice and checks
+from ._execute import METHODS, SolveResult
 from .engines import COUNT_NONFINITE, SOLVE_STACK, STACK_CHECKS, STACK_THREADS, offers
 from .options import as_options
 from ._stack_items import ItemRunner, blas_threads, cores, engine_check
@@ -200,7 +202,7 @@ def _rows_first(reduce, X):
 def _check_finite_stack(xp, flat, name: str, fast=None) -> None:
     """No NaN or Inf in ``flat`` (k, r, c), checked a few matrices at a time (one
     synchronisation), or in one kernel of the GPU engine (``fast``, from
-    ``solvers._compiled``); the single check counts the bad entries for the message."""
+    ``_execute._compiled``); the single check counts the bad entries for the message."""
     k, r, c = flat.shape
     if k == 0:
         return
@@ -255,7 +257,7 @@ def _start_value_checks(solvers, xp, W_flat, factors, fast):
     reads every statistic back at once, so the caller's host work between the two runs
     while the GPU reads the stack (about a millisecond for an MoE stack); otherwise the
     returned function runs one pass per array and statistic (``fast``: the compiled
-    engine's one-kernel checks, from ``solvers._compiled``)."""
+    engine's one-kernel checks, from ``_execute._compiled``)."""
     read = None if not offers(fast, STACK_CHECKS) else fast.stack_checks(
         {"W": W_flat, **{name: flat for name, flat, _ in factors}},
         {name: blk for name, _, blk in factors})
@@ -319,8 +321,6 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
         as run (comma-separated when items differ); ``info["stack"]`` says how the stack
         was executed (items, chunks, path, workers, threads).
     """
-    from .. import solvers
-    from . import METHODS, SolveResult
 
     # ---- validation: nothing below runs any solve until all of it has passed -------------
     # a bakron.Factor is one factor shared by every item (its array L - I and its block)

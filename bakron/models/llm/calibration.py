@@ -223,9 +223,24 @@ def calibration_ids(lm, n_tokens: int = 4096, mix: str = "generated+docs", *,
     return out
 
 
-def _doc_sequences(lm, docs, n_seqs, seq_len):
-    from ...quantize_model import calibration_sequences
+def calibration_sequences(lm, docs, n_seqs: int, seq_len: int) -> list[list[int]]:
+    """``n_seqs`` token sequences of ``seq_len`` tokens cut from the documents' tokens laid end
+    to end (EOS between documents when the model has one); fewer when the text runs out (the
+    last one may be shorter, at least 2 tokens)."""
+    stream: list[int] = []
+    eos = getattr(lm.config, "eos_id", None)
+    need = n_seqs * seq_len
+    for ids in lm.tokenize(docs):
+        stream.extend(ids)
+        if eos is not None and 0 <= eos < lm.config.vocab_size:
+            stream.append(int(eos))
+        if len(stream) >= need:
+            break
+    seqs = [stream[i:i + seq_len] for i in range(0, min(len(stream), need), seq_len)]
+    return [s for s in seqs if len(s) >= 2]
 
+
+def _doc_sequences(lm, docs, n_seqs, seq_len):
     if docs is None:
         from ..textdata import reference_split
 
