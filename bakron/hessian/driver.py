@@ -68,7 +68,8 @@ class SweepRecord:
 
     ``kind``: ``"split"`` (stores the boundary states at ``cut``), ``"kfac"``,
     ``"refine_out"`` or ``"refine_in"``; stages ``[start, stop)``; the checkpoint schedule and
-    its snapshots; forward stage evaluations, VJPs and head evaluations over all batches.
+    its snapshots; forward stage evaluations, VJPs and head evaluations over all batches;
+    ``seconds``: its wall time; ``tokens``: the real (unpadded) rows it went through.
     """
 
     kind: str
@@ -80,6 +81,8 @@ class SweepRecord:
     stage_evals: int = 0
     vjp_evals: int = 0
     head_evals: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
 
 
 @dataclass
@@ -695,13 +698,16 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
         for bs, x in zip(batch_sizes, batches):
             bs[0] = math.prod(x.shape) * _itemsize(xp, x.dtype)
     masks = _token_masks(xp, body[0], batches)
+    tokens = sum(int(xp.sum(xp.astype(m, xp.int64))) if m is not None
+                 else math.prod(x.shape if ids else x.shape[:-1])
+                 for m, x in zip(masks, batches))
     sizes = [max(bs[l] for bs in batch_sizes) for l in range(len(body) + 1)]
     buf = [sum((layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item for n in names)
            for names in names_at]
     planner = _Planner(sizes, batch_sizes, buf, names_at, budget_bytes, checkpoint, snapshots)
     plan = planner.plan(0, len(body), 0)
     return dict(xp=xp, body=body, head=head, batches=batches, weights=weights, masks=masks,
-                shapes=shapes,
+                shapes=shapes, tokens=tokens,
                 names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
                 acc_dtype=acc_dtype, plan=plan,
                 checkpoint=checkpoint)
@@ -811,6 +817,7 @@ class _Run:
         """One pass over all batches: advance a→c, reverse [c, b)."""
         eng, led = self.eng, self.ledger
         e0, v0, h0 = eng.evals, eng.vjps, eng.heads
+        t0 = time.perf_counter()
         out_h, out_d = [], []
         for k in range(len(self.P["batches"])):
             eng.batch, eng.shapes = k, self.P["shapes"][k]
@@ -828,6 +835,8 @@ class _Run:
                 out_d.append(d)
         rec.stage_evals, rec.vjp_evals, rec.head_evals = (eng.evals - e0, eng.vjps - v0,
                                                           eng.heads - h0)
+        rec.seconds = time.perf_counter() - t0
+        rec.tokens = self.P["tokens"]
         self.report.sweeps.append(rec)
         return out_h, out_d
 
