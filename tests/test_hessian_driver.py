@@ -174,13 +174,25 @@ def test_namespaces_agree(xp):
 
 
 def test_float32_inputs_accumulate_in_float64():
+    """float32 activations: float32 products per batch, summed in float64 (relative error of
+    float32 rounding); ``products=float64`` casts the rows first (exact products)."""
     stages = random_mlp([6, 8, 4], seed=10, dtype=np.float32)
     X = np.random.default_rng(11).standard_normal((20, 6)).astype(np.float32)
-    got, _ = bh.global_factors(stages, X)
-    Hi, Ho = got["fc0"]
-    assert Hi.dtype == np.float64
     Xd = X.astype(np.float64)
+    exact, _ = bh.global_factors(stages, [X[:10], X[10:]], products=np.float64)
+    Hi, Ho = exact["fc0"]
+    assert Hi.dtype == np.float64
     np.testing.assert_allclose(Hi, Xd.T @ Xd / 20, rtol=1e-12)
+    fast, _ = bh.global_factors(stages, [X[:10], X[10:]])
+    Hi32 = fast["fc0"][0]
+    assert Hi32.dtype == np.float64 and not np.array_equal(Hi32, Hi)
+    ref = Xd.T @ Xd / 20
+    assert np.linalg.norm(Hi32 - ref) <= 1e-6 * np.linalg.norm(ref)
+    for name in exact:
+        for a, b in zip(exact[name], fast[name]):
+            assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), name
+    with pytest.raises(ValueError, match="products must be"):
+        bh.global_factors(stages, X, products=np.int32)
 
 
 def test_zero_weights_drop_samples():

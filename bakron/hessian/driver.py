@@ -409,6 +409,7 @@ class _Engine:
         self.batch = 0
         self.inputs = self.mask = None
         self.collect = None
+        self.vjp_done = None      # called after each stage's vjp (drops per-stage caches)
         self.evals = self.vjps = self.heads = 0
 
     def nbytes(self, x):
@@ -443,6 +444,8 @@ class _Engine:
         self.vjps += 1
         stage = self.body[i]
         r = stage.vjp(self.xp, h, d, self.collect_for(i), need_input_grad=need)
+        if self.vjp_done is not None:
+            self.vjp_done()
         if need:
             if r is None or tuple(r.shape) != self.shapes[i]:
                 raise ValueError(f"stage {stage_label(stage, i)}: vjp returned "
@@ -584,7 +587,7 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
 
 
 def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-             accum_dtype, weights, refine, refine_iters, layers=None):
+             accum_dtype, weights, refine, refine_iters, layers=None, products=None):
     stages = list(stages)
     if len(stages) < 2 or not is_head(stages[-1]):
         raise ValueError("stages must be a list of stages ending with a head (e.g. "
@@ -693,6 +696,12 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     if acc_dtype != xp.float64 and acc_dtype != xp.float32:
         raise ValueError(f"accum_dtype must be float32 or float64, got {accum_dtype!r}")
     acc_item = xp.finfo(acc_dtype).bits // 8
+    if products is None:   # float32 activations: float32 products, summed per batch in acc_dtype
+        prod_dtype = act_dtype if act_dtype == xp.float32 else acc_dtype
+    elif products == xp.float32 or products == xp.float64:
+        prod_dtype = products
+    else:
+        raise ValueError(f"products must be None, float32 or float64, got {products!r}")
     batch_sizes = [[math.prod(s) * itemsize for s in sh] for sh in shapes]
     if ids:   # state 0 is the ids themselves
         for bs, x in zip(batch_sizes, batches):
@@ -709,14 +718,14 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     return dict(xp=xp, body=body, head=head, batches=batches, weights=weights, masks=masks,
                 shapes=shapes, tokens=tokens,
                 names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
-                acc_dtype=acc_dtype, plan=plan,
+                acc_dtype=acc_dtype, plan=plan, ids=ids, products=prod_dtype,
                 checkpoint=checkpoint)
 
 
 def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
                    checkpoint="auto", snapshots=None, refine_iters=0, refine="token", seed=0,
                    weights=None, accum_dtype=None, check_finite=True, sink=None, layers=None,
-                   kfac_sink=None):
+                   kfac_sink=None, products=None, progress=None):
     """Kronecker factors ``(H_in, H_out)`` of the Fisher for every linear layer of a chain.
 
     Parameters
@@ -749,6 +758,17 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         first stage's token mask multiplies them.
     accum_dtype : dtype, optional
         Accumulation dtype (float64 by default).
+    products : dtype, optional
+        Precision of each batch's factor products (``Σ_t x_t x_tᵀ`` over the batch's rows, a
+        refinement step's quadratic forms). Default: float32 for float32 activations (each
+        batch's float32 sum is added to the ``accum_dtype`` sum: twice the BLAS rate, relative
+        errors of order 1e-6), else ``accum_dtype``. ``float64`` casts the rows first (exact
+        products, as the float64 reference tests need).
+    progress : bool or callable, optional
+        ``True``: a progress bar on stderr (tokens done / total, tokens per second, the pass,
+        the time left; shown only when stderr is a terminal). A callable receives a
+        :class:`~bakron.hessian.progress.Progress` after every batch of every pass. Default:
+        quiet.
     check_finite : bool
         Check every activation and gradient for NaN/Inf (a clear error naming the stage).
     sink : callable, optional
@@ -773,7 +793,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     """
     t0 = time.perf_counter()
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, weights, refine, refine_iters, layers)
+                 accum_dtype, weights, refine, refine_iters, layers, products)
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
@@ -860,6 +880,35 @@ class _Run:
         states = cache.pop(c)
         self.ledger.free("cache", sum(self.eng.nbytes(s) for s in states), 0)
 
+    def _batch_rows(self, k):
+        """Batch ``k``'s per-row weights over its real rows and the flat row selection of
+        those rows (``None``: every row is real)."""
+        xp, P = self.xp, self.P
+        mask, w = P["masks"][k], P["weights"][k]
+        lead = tuple(P["shapes"][k][0]) if P["ids"] else tuple(P["shapes"][k][0][:-1])
+        if mask is None:
+            return _token_weights(xp, w, lead), None
+        sel = xp.reshape(mask, (-1,))
+        w_tok = None if w is None else _token_weights(xp, w, lead, mask)[sel]
+        return w_tok, sel
+
+    def _rows(self, x, n):
+        """``x`` as (rows, n), the padded rows left out."""
+        x = self.xp.reshape(x, (-1, n))
+        st = self._state
+        sel, w = st["sel"], st["w_tok"]
+        if sel is None:
+            if w is not None and w.shape[0] != x.shape[0]:
+                raise ValueError(f"calibration batch {self.eng.batch}: a stage collected "
+                                 f"{x.shape[0]} rows, but the batch's weights cover "
+                                 f"{w.shape[0]} rows (its batch axes)")
+            return x
+        if sel.shape[0] != x.shape[0]:
+            raise ValueError(f"calibration batch {self.eng.batch}: a stage collected "
+                             f"{x.shape[0]} rows, but the batch has {sel.shape[0]} positions "
+                             f"(its token mask)")
+        return x[sel]
+
     def leaf(self, node):
         xp, P = self.xp, self.P
         a, b = node.start, node.stop
@@ -872,7 +921,9 @@ class _Run:
                    * (xp.finfo(acc_dtype).bits // 8) for n in names)
         self.ledger.alloc("buf", nbuf, 0)
         current = {}
-        state = {"w": None, "mask": None}
+        state = {"w": None, "mask": None, "w_tok": None, "sel": None, "shared": None}
+        self._state = state
+        prod = P["products"]
 
         def key_of(i, key):
             return f"stage{i}" if key is None else key
@@ -902,7 +953,13 @@ class _Run:
                     # the factor being replaced is no longer needed
                     current[n] = (H_in, None) if step == "refine_out" else (None, H_out)
 
-            def collect(i, key, x, g, _step=step, _accs=accs):
+            fixed = {}
+            if step != "kfac":   # the fixed factors in the products' precision, once a step
+                for n in names:
+                    H = current[n][0 if step == "refine_out" else 1]
+                    fixed[n] = H if H.dtype == prod else xp.astype(H, prod)
+
+            def collect(i, key, x, g, _step=step, _accs=accs, _fixed=fixed):
                 name = key_of(i, key)
                 if P["skipped"].get(name, -1) == i:   # a layer the caller did not ask for
                     return
@@ -911,27 +968,34 @@ class _Run:
                                      f"named {name!r} that its linears() does not declare")
                 check_pair(i, name, x, g)
                 m, n = P["layer_shapes"][name]
-                lead = tuple(x.shape[:-1])
-                w_tok = _token_weights(xp, state["w"], lead, state["mask"])
-                mask = state["mask"]
-                if (mask is not None and tuple(mask.shape) == lead
-                        and (_step == "kfac" or self.refine == "token")):
-                    # padded rows have weight 0: leave them out of the products altogether
-                    sel = xp.reshape(mask, (-1,))
-                    x = xp.reshape(x, (-1, n))[sel]
-                    g = xp.reshape(g, (-1, m))[sel]
-                    w_tok = None if state["w"] is None else w_tok[sel]
+                w_tok = state["w_tok"]
+                seq = _step != "kfac" and self.refine == "sequence"
+                if not seq:
+                    # the rows of x once per distinct input (q/k/v and gate/up read one x):
+                    # padded rows dropped, and in K-FAC its product formed once too
+                    sh = state["shared"]
+                    if sh is not None and sh[0] is x:
+                        xs, gram = sh[1], sh[2]
+                    else:
+                        xs, gram = self._rows(x, n), None
+                        state["shared"] = sh = [x, xs, None]
+                    g = self._rows(g, m)
                 if _step == "kfac":
-                    _accs[name][0]._update(xp, x, w_tok)
-                    _accs[name][1]._update(xp, g, w_tok)
+                    if gram is None:
+                        sh[2] = _accs[name][0]._update(xp, xs, w_tok, products=prod, keep=True)
+                    else:
+                        _accs[name][0].add_product(*gram)
+                    _accs[name][1]._update(xp, g, w_tok, products=prod)
+                    return
+                if not seq:
+                    if _step == "refine_out":
+                        _accs[name]._update(xp, g, w_tok, token_quadratic(xp, xs, _fixed[name]),
+                                            products=prod)
+                    else:
+                        _accs[name]._update(xp, xs, w_tok, token_quadratic(xp, g, _fixed[name]),
+                                            products=prod)
                     return
                 H_in, H_out = current[name]
-                if self.refine == "token":
-                    if _step == "refine_out":
-                        _accs[name]._update(xp, g, w_tok, token_quadratic(xp, x, H_in))
-                    else:
-                        _accs[name]._update(xp, x, w_tok, token_quadratic(xp, g, H_out))
-                    return
                 B = x.shape[0]
                 X3, G3 = xp.reshape(x, (B, -1, n)), xp.reshape(g, (B, -1, m))
                 if _step == "refine_out":
@@ -943,8 +1007,11 @@ class _Run:
 
             def on_batch(k):
                 state["w"], state["mask"] = P["weights"][k], P["masks"][k]
+                state["w_tok"], state["sel"] = self._batch_rows(k)
+                state["shared"] = None
 
             self.eng.collect = collect
+            self.eng.vjp_done = lambda: state.__setitem__("shared", None)
             rec = SweepRecord(step, a, b, None, node.schedule, node.snapshots)
             self._sweep(rec, a, a, b, on_batch)
             for n in names:   # finalise layer by layer, dropping each accumulator at once
@@ -961,6 +1028,7 @@ class _Run:
                 for n in names:
                     self.kfac_sink(n, *current[n])
         self.eng.collect = None   # the closure holds this leaf's factors: let them go
+        self.eng.vjp_done = None
         for n in names:
             if self.sink is not None:
                 self.sink(n, *current[n])
