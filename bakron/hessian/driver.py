@@ -15,6 +15,7 @@ state or one factor). Planning uses the largest batch; the ledger records the re
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from .. import _xp
 from .._validate import check_finite
 from .accumulate import FactorAccumulator, frobenius_sq, sequence_mix, token_quadratic
 from .checkpoint import SCHEDULES, bisection_slots, split_point
+from .progress import Progress, progress_bar
 from .stages import HeadContext, is_head, stage_label
 
 __all__ = ["global_factors", "HessianReport", "SweepRecord", "plan_global"]
@@ -707,9 +709,11 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
         for bs, x in zip(batch_sizes, batches):
             bs[0] = math.prod(x.shape) * _itemsize(xp, x.dtype)
     masks = _token_masks(xp, body[0], batches)
-    tokens = sum(int(xp.sum(xp.astype(m, xp.int64))) if m is not None
-                 else math.prod(x.shape if ids else x.shape[:-1])
-                 for m, x in zip(masks, batches))
+    batch_tokens = [int(xp.sum(xp.astype(m, xp.int64))) if m is not None
+                    else math.prod(x.shape if ids else x.shape[:-1])
+                    for m, x in zip(masks, batches)]
+    tokens = sum(batch_tokens)
+    batch_tokens = list(itertools.accumulate(batch_tokens))   # done after batch k
     sizes = [max(bs[l] for bs in batch_sizes) for l in range(len(body) + 1)]
     buf = [sum((layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item for n in names)
            for names in names_at]
@@ -717,6 +721,7 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     plan = planner.plan(0, len(body), 0)
     return dict(xp=xp, body=body, head=head, batches=batches, weights=weights, masks=masks,
                 shapes=shapes, tokens=tokens,
+                batch_tokens=batch_tokens,
                 names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
                 acc_dtype=acc_dtype, plan=plan, ids=ids, products=prod_dtype,
                 checkpoint=checkpoint)
@@ -804,7 +809,14 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
     run.kfac_sink = kfac_sink
-    run.node(P["plan"])
+    run.progress, close = progress_bar(progress)
+    run.passes = sum(1 if isinstance(nd, _Split) else 1 + 2 * int(refine_iters)
+                     for nd in _walk(P["plan"]) if not isinstance(nd, _Skip))
+    run.t0 = t0
+    try:
+        run.node(P["plan"])
+    finally:
+        close()
     results = {n: run.results[n] for names in P["names_at"] for n in names if n in run.results}
     report.peak_bytes = ledger.peak_total
     report.peak_activation_bytes = ledger.peak["act"]
@@ -826,6 +838,7 @@ class _Run:
         self.h_cache, self.d_cache = {}, {}
         self.results = {}
         self.kfac_sink = None
+        self.progress, self.passes, self.t0 = None, 0, time.perf_counter()
 
     def _h(self, a, k):
         return self.P["batches"][k] if a == 0 else self.h_cache[a][k]
@@ -853,6 +866,12 @@ class _Run:
             if d is not None:
                 led.move("act", "cache", eng.nbytes(d))
                 out_d.append(d)
+            if self.progress is not None:
+                P = self.P
+                done = len(self.report.sweeps) * P["tokens"] + P["batch_tokens"][k]
+                self.progress(Progress(rec.kind, len(self.report.sweeps) + 1, self.passes,
+                                       done, self.passes * P["tokens"],
+                                       time.perf_counter() - self.t0))
         rec.stage_evals, rec.vjp_evals, rec.head_evals = (eng.evals - e0, eng.vjps - v0,
                                                           eng.heads - h0)
         rec.seconds = time.perf_counter() - t0
