@@ -40,6 +40,7 @@ import tracemalloc
 import numpy as np
 
 from .._lib.fs import atomic_path
+from ..hessian.cost import pass_gemms
 
 __all__ = ["main", "pass_gemms", "floor_seconds", "build_chain"]
 
@@ -49,64 +50,6 @@ PASSES = ("kfac", "refine_out", "refine_in")
 # --------------------------------------------------------------------------------------------
 # the GEMMs of one pass
 # --------------------------------------------------------------------------------------------
-def _linear(out, N, m, n, *, need_grad=True, syrk_in=True):
-    out["fwd"].append(("gemm", N, n, m))
-    if need_grad:
-        out["vjp"].append(("gemm", N, m, n))
-    if syrk_in:
-        out["in"].append(n)
-    out["out"].append(m)
-    out["layers"].append((m, n))
-
-
-def pass_gemms(stages, rows: int, seqs=None) -> dict:
-    """The matrix products of one pass of ``stages`` over ``rows`` real token rows (``seqs``:
-    ``(count, length)`` of the attention's sequences, for its score products):
-    ``{"fwd": [...], "vjp": [...], "in": [n, ...], "out": [m, ...], "layers": [(m, n)],
-    "batched": [...]}``; GEMMs are ``("gemm", M, K, N)``, batched ones
-    ``("bmm", count, M, K, N)``."""
-    from ..hessian import (Attention, Embedding, Linear, LMHead, Residual, SoftmaxCrossEntropy,
-                           SwiGLU)
-
-    N = int(rows)
-    out = {"N": N, "fwd": [], "vjp": [], "in": [], "out": [], "layers": []}
-
-    def walk(chain, first):
-        for i, st in enumerate(chain):
-            need = not (first and i == 0)
-            if isinstance(st, Residual):
-                walk(st.stages, False)
-            elif isinstance(st, Linear):
-                m, n = st.shape
-                _linear(out, N, m, n, need_grad=need)
-            elif isinstance(st, Attention):
-                d, hd, H, K = st.d, st.hd, st.H, st.K
-                _linear(out, N, H * hd, d, need_grad=need)
-                _linear(out, N, K * hd, d, need_grad=need, syrk_in=False)
-                _linear(out, N, K * hd, d, need_grad=need, syrk_in=False)
-                _linear(out, N, d, H * hd)
-                if seqs is not None:
-                    S, T = seqs
-                    cnt = S * K
-                    r = H // K
-                    out["fwd"] += [("bmm", cnt, r * T, hd, T), ("bmm", cnt, r * T, T, hd)]
-                    out["vjp"] += [("bmm", cnt, T, r * T, hd), ("bmm", cnt, r * T, hd, T),
-                                   ("bmm", cnt, r * T, T, hd), ("bmm", cnt, T, r * T, hd)]
-            elif isinstance(st, SwiGLU):
-                f, d = st.W_gate.shape
-                _linear(out, N, f, d, need_grad=need)
-                _linear(out, N, f, d, need_grad=need, syrk_in=False)
-                _linear(out, N, d, f)
-            elif isinstance(st, LMHead):
-                V, d = st.W_out.shape
-                out["fwd"].append(("gemm", N, d, V))
-                out["vjp"].append(("gemm", N, V, d))
-            elif isinstance(st, (Embedding, SoftmaxCrossEntropy)):
-                pass
-    walk(stages, True)
-    return out
-
-
 def _timed(fn, repeats):
     fn()
     ts = []
