@@ -253,10 +253,13 @@ def _load() -> str:
 
 def write_report(results, out_dir, name, command, meta) -> str:
     mib = 2.0 ** 20
-    lines = [f"# Global Hessians: tokens per second against the GEMM floor", "",
-             f"Command: `{command}`", "",
-             f"Machine: {meta['machine']}; load average {meta['load_before']} before, "
-             f"{meta['load_after']} after; {meta['date']}.", "",
+    runs = meta.get("runs") or [meta]
+    lines = ["# Global Hessians: tokens per second against the GEMM floor", ""]
+    for r in runs:
+        lines += [f"Command: `{r['command']}`", "",
+                  f"Machine: {r['machine']}; load average {r['load_before']} before, "
+                  f"{r['load_after']} after (1, 5, 15 min); {r['date']}.", ""]
+    lines += [
              "Each pass is a forward, a VJP and the factor products over all calibration "
              "tokens. *Floor*: the matrix products that pass must do, each timed alone at this "
              "machine's BLAS rate in the same process and summed (forward, VJP, factor "
@@ -325,6 +328,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
     ap.add_argument("--out", default="docs/benchmarks", help="output folder")
     ap.add_argument("--name", default="hessian", help="page name (NAME.md, NAME.json)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="write one page from the .json files of earlier runs (each run's "
+                         "command and machine are listed)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -338,6 +344,19 @@ def main(argv=None) -> int:
     for s in args.schedules:
         if s not in ("store_all", "budget"):
             ap.error(f"--schedules: unknown schedule {s!r} (store_all, budget)")
+    if args.merge:
+        runs, merged = [], {}
+        for path in args.merge:
+            with open(path) as f:
+                doc = json.load(f)
+            runs += doc["meta"].get("runs") or [doc["meta"]]
+            for r in doc["results"]:
+                merged.setdefault(r["threads"], {"threads": r["threads"], "models": {}})
+                merged[r["threads"]]["models"].update(r["models"])
+        results = [merged[t] for t in sorted(merged)]
+        os.makedirs(args.out, exist_ok=True)
+        print(f"wrote {write_report(results, args.out, args.name, None, {'runs': runs})}")
+        return 0
     if args.child is not None:
         print(json.dumps(child(args)))
         return 0
