@@ -313,6 +313,23 @@ def write_report(results, out_dir, name, command, meta) -> str:
     return path
 
 
+def _shown(raw):
+    """The arguments as the page shows them: without ``--out``/``--name`` (where the page
+    goes, not what was measured)."""
+    out, skip = [], False
+    for a in raw:
+        if skip:
+            skip = False
+            continue
+        if a in ("--out", "--name"):
+            skip = True
+            continue
+        if a.startswith(("--out=", "--name=")):
+            continue
+        out.append(a)
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bakron.benchmarks.hessian",
                                  description=__doc__.split("\n\n")[0])
@@ -363,7 +380,7 @@ def main(argv=None) -> int:
     threads = [int(t) for t in args.threads.split(",") if t]
     meta = {"machine": _machine(), "load_before": _load(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python -m bakron.benchmarks.hessian " + shlex.join(raw)}
+            "command": "python -m bakron.benchmarks.hessian " + shlex.join(_shown(raw))}
     results = []
     for t in threads:
         env = dict(os.environ)
