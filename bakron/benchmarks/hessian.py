@@ -366,7 +366,10 @@ def main(argv=None) -> int:
         for path in args.merge:
             with open(path) as f:
                 doc = json.load(f)
-            runs += doc["meta"].get("runs") or [doc["meta"]]
+            for r in doc["meta"].get("runs") or [doc["meta"]]:
+                words = shlex.split(r["command"])
+                r["command"] = shlex.join(words[:3] + _shown(words[3:]))
+                runs.append(r)
             for r in doc["results"]:
                 merged.setdefault(r["threads"], {"threads": r["threads"], "models": {}})
                 merged[r["threads"]]["models"].update(r["models"])
