@@ -1007,12 +1007,14 @@ class _Run:
                     _accs[name][1]._update(xp, g, w_tok, products=prod)
                     return
                 if not seq:
+                    # x_tᵀ H x_t >= 0 for the positive semi-definite factor H; clamping the
+                    # rounding below 0 keeps the update a symmetric rank-k one (√c_t y_t)
                     if _step == "refine_out":
-                        _accs[name]._update(xp, g, w_tok, token_quadratic(xp, xs, _fixed[name]),
-                                            products=prod)
+                        c = xp.maximum(token_quadratic(xp, xs, _fixed[name]), 0.0)
+                        _accs[name]._update(xp, g, w_tok, c, products=prod)
                     else:
-                        _accs[name]._update(xp, xs, w_tok, token_quadratic(xp, g, _fixed[name]),
-                                            products=prod)
+                        c = xp.maximum(token_quadratic(xp, g, _fixed[name]), 0.0)
+                        _accs[name]._update(xp, xs, w_tok, c, products=prod)
                     return
                 H_in, H_out = current[name]
                 B = x.shape[0]
