@@ -50,13 +50,18 @@ PASSES = ("kfac", "refine_out", "refine_in")
 # --------------------------------------------------------------------------------------------
 # the GEMMs of one pass
 # --------------------------------------------------------------------------------------------
+#: "wall" (perf_counter) or "cpu" (this process's CPU time, all threads): set per run
+CLOCK = {"fn": time.perf_counter}
+
+
 def _timed(fn, repeats):
+    clock = CLOCK["fn"]
     fn()
     ts = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(clock() - t0)
     return float(np.median(ts))
 
 
@@ -71,7 +76,7 @@ def floor_seconds(g: dict, dtype="float32", repeats: int = 3, seed: int = 0) -> 
     dt = np.dtype(dtype)
     syrk = blas.ssyrk if dt == np.float32 else blas.dsyrk
     rng = np.random.default_rng(seed)
-    cache = _FLOOR_CACHE.setdefault((dt.str, repeats), {})
+    cache = _FLOOR_CACHE.setdefault((dt.str, repeats, CLOCK["fn"].__name__), {})
 
     def t_gemm(M, K, N):
         key = ("gemm", M, K, N)
@@ -167,7 +172,8 @@ def _one(stages, batches, budget, repeats):
         total: dict = {}
         for s in rep.sweeps:
             kind = "kfac" if s.kind == "split" else s.kind
-            total[kind] = total.get(kind, 0.0) + s.seconds
+            sec = s.cpu_seconds if CLOCK["fn"] is time.process_time else s.seconds
+            total[kind] = total.get(kind, 0.0) + sec
         for k, v in total.items():
             runs.setdefault(k, []).append(v)
     return {k: float(np.median(v)) for k, v in runs.items()}, rep
@@ -194,6 +200,8 @@ def child(args) -> dict:
         stages, batches, rows, seqs, label = build_chain(model, args.tokens, args.seq_len,
                                                          args.batch_tokens)
         n_batches = len(batches)
+        if args.clock == "cpu":
+            CLOCK["fn"] = time.process_time
         fl: dict = {}
         for x in batches:   # the floor of each batch (its rows, its sequences), summed
             B = int(x.shape[0])
@@ -206,7 +214,11 @@ def child(args) -> dict:
         buf = sum((m * m + n * n) * 8 for m, n in g["layers"])
         budget = _budget(bh, stages, batches, buf, plan["planned_peak_bytes"])
         res = {"label": label, "tokens": rows, "batches": n_batches, "floor": fl,
+               "clock": args.clock,
                "store_all_planned_bytes": plan["planned_peak_bytes"], "schedules": {}}
+        # warm-up: imports, BLAS threads and first-call costs, on a few tokens of one batch
+        x0 = batches[0][:1, :16] if seqs is not None else batches[0][:16]
+        bh.global_factors(stages, [x0], refine_iters=1, sink=lambda *a: None)
         for sched in args.schedules:
             bb = None if sched == "store_all" else budget
             tracemalloc.start()   # numpy reports its allocations; few, large: cheap to trace
@@ -273,7 +285,9 @@ def write_report(results, out_dir, name, command, meta) -> str:
              "*Ratio*: pass time / floor (1.0 = at the floor). The budget schedule holds the "
              "factor buffers and about half the store-all plan's activations, so it "
              "recomputes; when it splits the layer range, a pass is the sum of its sweeps "
-             "(the splits' sweeps count towards K-FAC). Peak memory: the "
+             "(the splits' sweeps count towards K-FAC). *Clock*: wall time, or this "
+             "process's CPU time (all threads) for passes and floor alike, which a loaded "
+             "machine disturbs less. Peak memory: the "
              "driver's ledger (factor buffers, caches, activations) and the traced heap peak "
              "of the run (numpy's allocations).", ""]
     models = []
@@ -284,9 +298,9 @@ def write_report(results, out_dir, name, command, meta) -> str:
     for m in models:
         first = next(r["models"][m] for r in results if m in r["models"])
         lines += [f"## {first['label']}", "",
-                  "| threads | schedule | pass | tokens/s | ms/token | floor ms/token | ratio "
-                  "| ledger peak MiB | traced peak MiB |",
-                  "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "| threads | clock | schedule | pass | tokens/s | ms/token | floor ms/token "
+                  "| ratio | ledger peak MiB | traced peak MiB |",
+                  "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in results:
             res = r["models"].get(m)
             if res is None:
@@ -298,7 +312,8 @@ def write_report(results, out_dir, name, command, meta) -> str:
                         continue
                     t = s["seconds"][p]
                     f = res["floor"][p]
-                    lines.append(f"| {r['threads']} | {sched} | {p} | {tok / t:.1f} | "
+                    lines.append(f"| {r['threads']} | {res.get('clock', 'wall')} | {sched} | "
+                                 f"{p} | {tok / t:.1f} | "
                                  f"{1e3 * t / tok:.2f} | {1e3 * f / tok:.2f} | {t / f:.2f} | "
                                  f"{s['ledger_peak_bytes'] / mib:.0f} | "
                                  f"{s['traced_peak_bytes'] / mib:.0f} |")
@@ -350,6 +365,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-tokens", type=int, default=1024,
                     help="tokens (mlp: samples) per batch (default 1024)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time passes and floor by the wall clock (default) or by this "
+                         "process's CPU time (all threads; steadier on a loaded machine)")
     ap.add_argument("--out", default="docs/benchmarks", help="output folder")
     ap.add_argument("--name", default="hessian", help="page name (NAME.md, NAME.json)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",

@@ -71,7 +71,8 @@ class SweepRecord:
     ``kind``: ``"split"`` (stores the boundary states at ``cut``), ``"kfac"``,
     ``"refine_out"`` or ``"refine_in"``; stages ``[start, stop)``; the checkpoint schedule and
     its snapshots; forward stage evaluations, VJPs and head evaluations over all batches;
-    ``seconds``: its wall time; ``tokens``: the real (unpadded) rows it went through.
+    ``seconds``: its wall time, ``cpu_seconds`` this process's CPU time (all its threads);
+    ``tokens``: the real (unpadded) rows it went through.
     """
 
     kind: str
@@ -84,6 +85,7 @@ class SweepRecord:
     vjp_evals: int = 0
     head_evals: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     tokens: int = 0
 
 
@@ -850,7 +852,7 @@ class _Run:
         """One pass over all batches: advance a→c, reverse [c, b)."""
         eng, led = self.eng, self.ledger
         e0, v0, h0 = eng.evals, eng.vjps, eng.heads
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out_h, out_d = [], []
         for k in range(len(self.P["batches"])):
             eng.batch, eng.shapes = k, self.P["shapes"][k]
@@ -875,6 +877,7 @@ class _Run:
         rec.stage_evals, rec.vjp_evals, rec.head_evals = (eng.evals - e0, eng.vjps - v0,
                                                           eng.heads - h0)
         rec.seconds = time.perf_counter() - t0
+        rec.cpu_seconds = time.process_time() - c0
         rec.tokens = self.P["tokens"]
         self.report.sweeps.append(rec)
         return out_h, out_d
