@@ -19,7 +19,7 @@ __all__ = ["pass_gemms", "pass_flops", "gemm_rate", "estimate_seconds", "announc
 
 #: pass time / GEMM floor of a K-FAC or refinement pass (docs/benchmarks/hessian.md): a
 #: prediction scales the floor by it
-OVERHEAD = 2.0
+OVERHEAD = 2.5
 
 
 def _linear(out, N, m, n, *, need_grad=True, syrk_in=True):
