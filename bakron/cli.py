@@ -304,8 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "stdlib), generated+docs (half sampled from the model, half the "
                          "Language Reference), generated, or a UTF-8 file, one document per "
                          "paragraph")
-    qm.add_argument("--calib-seqs", type=_positive_int, default=32, metavar="N",
+    cs = qm.add_mutually_exclusive_group()
+    cs.add_argument("--calib-seqs", type=_positive_int, default=None, metavar="N",
                     help="calibration sequences (default 32)")
+    cs.add_argument("--calib-tokens", type=_positive_int, default=None, metavar="N",
+                    help="calibration tokens, rounded up to whole sequences of --calib-len "
+                         "(instead of --calib-seqs); the Hessian passes' time is predicted "
+                         "before they start")
     qm.add_argument("--calib-len", type=_positive_int, default=128, metavar="T",
                     help="tokens per calibration sequence (default 128)")
     qm.add_argument("--memory-budget", type=_bytes, default=None, metavar="BYTES",
@@ -523,6 +528,13 @@ def _cmd_demo(args) -> int:
 
 # -- quantize-model --------------------------------------------------------------------------
 
+def _calib_seqs(args) -> int:
+    """--calib-seqs, or --calib-tokens in whole sequences of --calib-len (default 32)."""
+    if args.calib_tokens is not None:
+        return -(-args.calib_tokens // args.calib_len)
+    return 32 if args.calib_seqs is None else args.calib_seqs
+
+
 def _cmd_quantize_model(args) -> int:
     """``bakron quantize-model``: see :mod:`bakron.quantize_model`."""
     from .io import InputError, OutputExistsError, array_module
@@ -552,7 +564,7 @@ def _cmd_quantize_model(args) -> int:
     try:
         res = qm.quantize_model(args.model, out, fmt=args.fmt, factors=args.factors,
                                 bits=args.bits, group_size=args.group_size, sym=args.sym,
-                                calib=args.calib, calib_seqs=args.calib_seqs,
+                                calib=args.calib, calib_seqs=_calib_seqs(args),
                                 calib_len=args.calib_len, memory_budget=args.memory_budget,
                                 device=device, damp=args.damp, damp_out=args.damp_out,
                                 shrink_out=args.shrink_out, progress=not args.quiet,

@@ -784,7 +784,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
                         finish(name, None, None)
                 elif todo:
                     report = _collect(lm, xp, seqs, todo, factors, options, memory_budget,
-                                      batch_size, finish)
+                                      batch_size, finish, progress=progress)
                 if solves is not None:
                     solves.wait()   # every submitted solve published (or the first error)
             finally:
@@ -854,7 +854,8 @@ def _out_settings(damp, damp_out, shrink_out) -> dict:
     return {"damp": float(damp), "damp_out": float(damp_out), "shrink_out": float(shrink_out)}
 
 
-def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish):
+def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, finish,
+             progress=False):
     """Run the Hessian passes and hand each layer of ``todo`` to ``finish`` as it is final;
     returns the passes' report."""
     from .hessian import global_factors
@@ -874,9 +875,14 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
             finish(name, local.pop(name), H_out)
 
     refine = options["refine_iters"]
+    if progress:
+        from .hessian.cost import announce
+
+        _say(progress, announce(lm.stages(), seqs, passes=1 + 2 * refine,
+                                batch_size=batch_size))
     _, rep = global_factors(lm.stages(), batches, refine_iters=refine, refine=options["refine"],
                             seed=options["seed"], budget_bytes=memory_budget, layers=todo,
-                            sink=sink,
+                            sink=sink, progress=bool(progress),
                             kfac_sink=keep_local if factors == "input+global-out" else None)
     return rep
 

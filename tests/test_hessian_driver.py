@@ -174,13 +174,25 @@ def test_namespaces_agree(xp):
 
 
 def test_float32_inputs_accumulate_in_float64():
+    """float32 activations: float32 products per batch, summed in float64 (relative error of
+    float32 rounding); ``products=float64`` casts the rows first (exact products)."""
     stages = random_mlp([6, 8, 4], seed=10, dtype=np.float32)
     X = np.random.default_rng(11).standard_normal((20, 6)).astype(np.float32)
-    got, _ = bh.global_factors(stages, X)
-    Hi, Ho = got["fc0"]
-    assert Hi.dtype == np.float64
     Xd = X.astype(np.float64)
+    exact, _ = bh.global_factors(stages, [X[:10], X[10:]], products=np.float64)
+    Hi, Ho = exact["fc0"]
+    assert Hi.dtype == np.float64
     np.testing.assert_allclose(Hi, Xd.T @ Xd / 20, rtol=1e-12)
+    fast, _ = bh.global_factors(stages, [X[:10], X[10:]])
+    Hi32 = fast["fc0"][0]
+    assert Hi32.dtype == np.float64 and not np.array_equal(Hi32, Hi)
+    ref = Xd.T @ Xd / 20
+    assert np.linalg.norm(Hi32 - ref) <= 1e-6 * np.linalg.norm(ref)
+    for name in exact:
+        for a, b in zip(exact[name], fast[name]):
+            assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), name
+    with pytest.raises(ValueError, match="products must be"):
+        bh.global_factors(stages, X, products=np.int32)
 
 
 def test_zero_weights_drop_samples():
@@ -354,3 +366,24 @@ def test_report_text(net):
     text = str(rep)
     assert "7 linear layers" in text and f"passes {rep.passes}" in text
     assert rep.recompute_factor > 1.0
+
+
+def test_progress_reports_tokens_passes_and_time_left():
+    stages = random_mlp([6, 8, 4], seed=20)
+    X = np.random.default_rng(21).standard_normal((30, 6))
+    seen = []
+    got, rep = bh.global_factors(stages, X, batch_size=10, refine_iters=1,
+                                 progress=seen.append)
+    assert len(seen) == 3 * 3                          # 3 passes x 3 batches
+    assert [p.kind for p in seen[::3]] == ["kfac", "refine_out", "refine_in"]
+    assert [p.tokens_done for p in seen] == list(range(10, 91, 10))
+    assert all(p.tokens_total == 90 and p.passes == 3 == rep.passes for p in seen)
+    assert [p.pass_index for p in seen[::3]] == [1, 2, 3]
+    assert seen[-1].seconds_left == 0 and seen[0].tokens_per_second > 0
+    assert "pass 3/3 (refine_in): 90/90 tokens" in str(seen[-1])
+    assert [s.tokens for s in rep.sweeps] == [30, 30, 30]
+    quiet, _ = bh.global_factors(stages, X, batch_size=10, refine_iters=1, progress=True)
+    for name in got:          # the bar changes nothing (stderr is no terminal under pytest)
+        assert all(np.array_equal(a, b) for a, b in zip(got[name], quiet[name]))
+    with pytest.raises(ValueError, match="progress must be"):
+        bh.global_factors(stages, X, progress="yes")

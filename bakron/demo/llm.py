@@ -443,9 +443,15 @@ class _Run:
                                   f"{r['bits'][b][m]['proxy']['global']:.2e}"
                                   for m in self.methods) if b is not None else ""))
 
+        if self.progress:
+            from ..hessian.cost import announce
+
+            log(True, "      " + announce(self.lm.stages(), self.cal_seqs,
+                                          passes=1 + 2 * self.refine_iters,
+                                          batch_size=self.batch_size))
         self.clock.start()
         acc = getattr(xp, self.accum_dtype)
-        _, rep = global_factors(self.lm.stages(), self.cal_batches,
+        _, rep = global_factors(self.lm.stages(), self.cal_batches, progress=bool(self.progress),
                                 refine_iters=self.refine_iters, refine=self.refine,
                                 seed=self.seed, budget_bytes=self.budget_bytes,
                                 accum_dtype=acc, layers=self.names, sink=on_layer,

@@ -30,6 +30,8 @@ Usage (numpy or cupy; the digits MLP of ``bakron demo``)::
 - ``refine_iters=k`` runs k power-iteration steps towards the nearest Kronecker product of the
   Fisher (``refine="token"`` or ``"sequence"``; 2 extra passes each).
 - ``weights=`` (one array per batch, shape ``(B,)`` or ``(B, T)``) weighs samples or tokens.
+- ``progress=True`` shows a progress bar on a terminal (tokens done / total, tokens per
+  second, the pass, the time left); a callable receives a :class:`Progress` per batch.
 - ``sink=fn`` receives ``fn(name, H_in, H_out)`` as soon as a layer is final (write factors
   out instead of keeping them); ``plan_global(...)`` shows the plan without running it.
 - Bad input (mismatched shapes between stages, NaN/Inf activations or gradients, a budget too
@@ -58,6 +60,7 @@ from .accumulate import (FactorAccumulator, pack_upper, sequence_mix, token_quad
 from .checkpoint import (bisection_cost, bisection_slots, binomial_cost, binomial_steps,
                          reversal_cost, reversal_slots)
 from .driver import HessianReport, SweepRecord, global_factors, plan_global
+from .progress import Progress
 from .reference import exact_fisher, nearest_kronecker, per_sequence_gradients
 from .stages import (GELU, Bias, HeadContext, LayerNorm, Linear, ReLU, Residual,
                      SoftmaxCrossEntropy)
@@ -71,5 +74,5 @@ __all__ = [
     "unpack_upper", "reversal_cost", "reversal_slots", "binomial_cost", "binomial_steps",
     "bisection_cost", "bisection_slots", "exact_fisher", "per_sequence_gradients",
     "nearest_kronecker", "Embedding", "RMSNorm", "Attention", "SwiGLU", "LMHead",
-    "pad_batches", "rope_inv_freq",
+    "pad_batches", "rope_inv_freq", "Progress",
 ]

@@ -15,6 +15,7 @@ state or one factor). Planning uses the largest batch; the ledger records the re
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import time
@@ -24,6 +25,7 @@ from .. import _xp
 from .._validate import check_finite
 from .accumulate import FactorAccumulator, frobenius_sq, sequence_mix, token_quadratic
 from .checkpoint import SCHEDULES, bisection_slots, split_point
+from .progress import Progress, progress_bar
 from .stages import HeadContext, is_head, stage_label
 
 __all__ = ["global_factors", "HessianReport", "SweepRecord", "plan_global"]
@@ -69,7 +71,9 @@ class SweepRecord:
 
     ``kind``: ``"split"`` (stores the boundary states at ``cut``), ``"kfac"``,
     ``"refine_out"`` or ``"refine_in"``; stages ``[start, stop)``; the checkpoint schedule and
-    its snapshots; forward stage evaluations, VJPs and head evaluations over all batches.
+    its snapshots; forward stage evaluations, VJPs and head evaluations over all batches;
+    ``seconds``: its wall time, ``cpu_seconds`` this process's CPU time (all its threads);
+    ``tokens``: the real (unpadded) rows it went through.
     """
 
     kind: str
@@ -81,6 +85,9 @@ class SweepRecord:
     stage_evals: int = 0
     vjp_evals: int = 0
     head_evals: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    tokens: int = 0
 
 
 @dataclass
@@ -407,6 +414,7 @@ class _Engine:
         self.batch = 0
         self.inputs = self.mask = None
         self.collect = None
+        self.vjp_done = None      # called after each stage's vjp (drops per-stage caches)
         self.evals = self.vjps = self.heads = 0
 
     def nbytes(self, x):
@@ -441,6 +449,8 @@ class _Engine:
         self.vjps += 1
         stage = self.body[i]
         r = stage.vjp(self.xp, h, d, self.collect_for(i), need_input_grad=need)
+        if self.vjp_done is not None:
+            self.vjp_done()
         if need:
             if r is None or tuple(r.shape) != self.shapes[i]:
                 raise ValueError(f"stage {stage_label(stage, i)}: vjp returned "
@@ -582,7 +592,7 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
 
 
 def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-             accum_dtype, weights, refine, refine_iters, layers=None):
+             accum_dtype, weights, refine, refine_iters, layers=None, products=None):
     stages = list(stages)
     if len(stages) < 2 or not is_head(stages[-1]):
         raise ValueError("stages must be a list of stages ending with a head (e.g. "
@@ -693,27 +703,39 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     if acc_dtype != xp.float64 and acc_dtype != xp.float32:
         raise ValueError(f"accum_dtype must be float32 or float64, got {accum_dtype!r}")
     acc_item = xp.finfo(acc_dtype).bits // 8
+    if products is None:   # float32 activations: float32 products, summed per batch in acc_dtype
+        prod_dtype = act_dtype if act_dtype == xp.float32 else acc_dtype
+    elif products == xp.float32 or products == xp.float64:
+        prod_dtype = products
+    else:
+        raise ValueError(f"products must be None, float32 or float64, got {products!r}")
     batch_sizes = [[math.prod(s) * itemsize for s in sh] for sh in shapes]
     if ids:   # state 0 is the ids themselves
         for bs, x in zip(batch_sizes, batches):
             bs[0] = math.prod(x.shape) * _itemsize(xp, x.dtype)
     masks = _token_masks(xp, body[0], batches)
+    batch_tokens = [int(xp.sum(xp.astype(m, xp.int64))) if m is not None
+                    else math.prod(x.shape if ids else x.shape[:-1])
+                    for m, x in zip(masks, batches)]
+    tokens = sum(batch_tokens)
+    batch_tokens = list(itertools.accumulate(batch_tokens))   # done after batch k
     sizes = [max(bs[l] for bs in batch_sizes) for l in range(len(body) + 1)]
     buf = [sum((layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item for n in names)
            for names in names_at]
     planner = _Planner(sizes, batch_sizes, buf, names_at, budget_bytes, checkpoint, snapshots)
     plan = planner.plan(0, len(body), 0)
     return dict(xp=xp, body=body, head=head, batches=batches, weights=weights, masks=masks,
-                shapes=shapes,
+                shapes=shapes, tokens=tokens,
+                batch_tokens=batch_tokens,
                 names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
-                acc_dtype=acc_dtype, plan=plan,
+                acc_dtype=acc_dtype, plan=plan, ids=ids, products=prod_dtype,
                 checkpoint=checkpoint)
 
 
 def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
                    checkpoint="auto", snapshots=None, refine_iters=0, refine="token", seed=0,
                    weights=None, accum_dtype=None, check_finite=True, sink=None, layers=None,
-                   kfac_sink=None):
+                   kfac_sink=None, products=None, progress=None):
     """Kronecker factors ``(H_in, H_out)`` of the Fisher for every linear layer of a chain.
 
     Parameters
@@ -746,6 +768,17 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         first stage's token mask multiplies them.
     accum_dtype : dtype, optional
         Accumulation dtype (float64 by default).
+    products : dtype, optional
+        Precision of each batch's factor products (``Σ_t x_t x_tᵀ`` over the batch's rows, a
+        refinement step's quadratic forms). Default: float32 for float32 activations (each
+        batch's float32 sum is added to the ``accum_dtype`` sum: twice the BLAS rate, relative
+        errors of order 1e-6), else ``accum_dtype``. ``float64`` casts the rows first (exact
+        products, as the float64 reference tests need).
+    progress : bool or callable, optional
+        ``True``: a progress bar on stderr (tokens done / total, tokens per second, the pass,
+        the time left; shown only when stderr is a terminal). A callable receives a
+        :class:`~bakron.hessian.progress.Progress` after every batch of every pass. Default:
+        quiet.
     check_finite : bool
         Check every activation and gradient for NaN/Inf (a clear error naming the stage).
     sink : callable, optional
@@ -770,7 +803,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     """
     t0 = time.perf_counter()
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, weights, refine, refine_iters, layers)
+                 accum_dtype, weights, refine, refine_iters, layers, products)
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
@@ -781,7 +814,14 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
     run.kfac_sink = kfac_sink
-    run.node(P["plan"])
+    run.progress, close = progress_bar(progress)
+    run.passes = sum(1 if isinstance(nd, _Split) else 1 + 2 * int(refine_iters)
+                     for nd in _walk(P["plan"]) if not isinstance(nd, _Skip))
+    run.t0 = t0
+    try:
+        run.node(P["plan"])
+    finally:
+        close()
     results = {n: run.results[n] for names in P["names_at"] for n in names if n in run.results}
     report.peak_bytes = ledger.peak_total
     report.peak_activation_bytes = ledger.peak["act"]
@@ -803,6 +843,7 @@ class _Run:
         self.h_cache, self.d_cache = {}, {}
         self.results = {}
         self.kfac_sink = None
+        self.progress, self.passes, self.t0 = None, 0, time.perf_counter()
 
     def _h(self, a, k):
         return self.P["batches"][k] if a == 0 else self.h_cache[a][k]
@@ -814,6 +855,7 @@ class _Run:
         """One pass over all batches: advance a→c, reverse [c, b)."""
         eng, led = self.eng, self.ledger
         e0, v0, h0 = eng.evals, eng.vjps, eng.heads
+        t0, c0 = time.perf_counter(), time.process_time()
         out_h, out_d = [], []
         for k in range(len(self.P["batches"])):
             eng.batch, eng.shapes = k, self.P["shapes"][k]
@@ -829,8 +871,17 @@ class _Run:
             if d is not None:
                 led.move("act", "cache", eng.nbytes(d))
                 out_d.append(d)
+            if self.progress is not None:
+                P = self.P
+                done = len(self.report.sweeps) * P["tokens"] + P["batch_tokens"][k]
+                self.progress(Progress(rec.kind, len(self.report.sweeps) + 1, self.passes,
+                                       done, self.passes * P["tokens"],
+                                       time.perf_counter() - self.t0))
         rec.stage_evals, rec.vjp_evals, rec.head_evals = (eng.evals - e0, eng.vjps - v0,
                                                           eng.heads - h0)
+        rec.seconds = time.perf_counter() - t0
+        rec.cpu_seconds = time.process_time() - c0
+        rec.tokens = self.P["tokens"]
         self.report.sweeps.append(rec)
         return out_h, out_d
 
@@ -854,6 +905,35 @@ class _Run:
         states = cache.pop(c)
         self.ledger.free("cache", sum(self.eng.nbytes(s) for s in states), 0)
 
+    def _batch_rows(self, k):
+        """Batch ``k``'s per-row weights over its real rows and the flat row selection of
+        those rows (``None``: every row is real)."""
+        xp, P = self.xp, self.P
+        mask, w = P["masks"][k], P["weights"][k]
+        lead = tuple(P["shapes"][k][0]) if P["ids"] else tuple(P["shapes"][k][0][:-1])
+        if mask is None:
+            return _token_weights(xp, w, lead), None
+        sel = xp.reshape(mask, (-1,))
+        w_tok = None if w is None else _token_weights(xp, w, lead, mask)[sel]
+        return w_tok, sel
+
+    def _rows(self, x, n):
+        """``x`` as (rows, n), the padded rows left out."""
+        x = self.xp.reshape(x, (-1, n))
+        st = self._state
+        sel, w = st["sel"], st["w_tok"]
+        if sel is None:
+            if w is not None and w.shape[0] != x.shape[0]:
+                raise ValueError(f"calibration batch {self.eng.batch}: a stage collected "
+                                 f"{x.shape[0]} rows, but the batch's weights cover "
+                                 f"{w.shape[0]} rows (its batch axes)")
+            return x
+        if sel.shape[0] != x.shape[0]:
+            raise ValueError(f"calibration batch {self.eng.batch}: a stage collected "
+                             f"{x.shape[0]} rows, but the batch has {sel.shape[0]} positions "
+                             f"(its token mask)")
+        return x[sel]
+
     def leaf(self, node):
         xp, P = self.xp, self.P
         a, b = node.start, node.stop
@@ -866,7 +946,9 @@ class _Run:
                    * (xp.finfo(acc_dtype).bits // 8) for n in names)
         self.ledger.alloc("buf", nbuf, 0)
         current = {}
-        state = {"w": None, "mask": None}
+        state = {"w": None, "mask": None, "w_tok": None, "sel": None, "shared": None}
+        self._state = state
+        prod = P["products"]
 
         def key_of(i, key):
             return f"stage{i}" if key is None else key
@@ -896,7 +978,13 @@ class _Run:
                     # the factor being replaced is no longer needed
                     current[n] = (H_in, None) if step == "refine_out" else (None, H_out)
 
-            def collect(i, key, x, g, _step=step, _accs=accs):
+            fixed = {}
+            if step != "kfac":   # the fixed factors in the products' precision, once a step
+                for n in names:
+                    H = current[n][0 if step == "refine_out" else 1]
+                    fixed[n] = H if H.dtype == prod else xp.astype(H, prod)
+
+            def collect(i, key, x, g, _step=step, _accs=accs, _fixed=fixed):
                 name = key_of(i, key)
                 if P["skipped"].get(name, -1) == i:   # a layer the caller did not ask for
                     return
@@ -905,27 +993,36 @@ class _Run:
                                      f"named {name!r} that its linears() does not declare")
                 check_pair(i, name, x, g)
                 m, n = P["layer_shapes"][name]
-                lead = tuple(x.shape[:-1])
-                w_tok = _token_weights(xp, state["w"], lead, state["mask"])
-                mask = state["mask"]
-                if (mask is not None and tuple(mask.shape) == lead
-                        and (_step == "kfac" or self.refine == "token")):
-                    # padded rows have weight 0: leave them out of the products altogether
-                    sel = xp.reshape(mask, (-1,))
-                    x = xp.reshape(x, (-1, n))[sel]
-                    g = xp.reshape(g, (-1, m))[sel]
-                    w_tok = None if state["w"] is None else w_tok[sel]
+                w_tok = state["w_tok"]
+                seq = _step != "kfac" and self.refine == "sequence"
+                if not seq:
+                    # the rows of x once per distinct input (q/k/v and gate/up read one x):
+                    # padded rows dropped, and in K-FAC its product formed once too
+                    sh = state["shared"]
+                    if sh is not None and sh[0] is x:
+                        xs, gram = sh[1], sh[2]
+                    else:
+                        xs, gram = self._rows(x, n), None
+                        state["shared"] = sh = [x, xs, None]
+                    g = self._rows(g, m)
                 if _step == "kfac":
-                    _accs[name][0]._update(xp, x, w_tok)
-                    _accs[name][1]._update(xp, g, w_tok)
+                    if gram is None:
+                        sh[2] = _accs[name][0]._update(xp, xs, w_tok, products=prod, keep=True)
+                    else:
+                        _accs[name][0].add_product(*gram)
+                    _accs[name][1]._update(xp, g, w_tok, products=prod)
+                    return
+                if not seq:
+                    # x_tᵀ H x_t >= 0 for the positive semi-definite factor H; clamping the
+                    # rounding below 0 keeps the update a symmetric rank-k one (√c_t y_t)
+                    if _step == "refine_out":
+                        c = xp.maximum(token_quadratic(xp, xs, _fixed[name]), 0.0)
+                        _accs[name]._update(xp, g, w_tok, c, products=prod)
+                    else:
+                        c = xp.maximum(token_quadratic(xp, g, _fixed[name]), 0.0)
+                        _accs[name]._update(xp, xs, w_tok, c, products=prod)
                     return
                 H_in, H_out = current[name]
-                if self.refine == "token":
-                    if _step == "refine_out":
-                        _accs[name]._update(xp, g, w_tok, token_quadratic(xp, x, H_in))
-                    else:
-                        _accs[name]._update(xp, x, w_tok, token_quadratic(xp, g, H_out))
-                    return
                 B = x.shape[0]
                 X3, G3 = xp.reshape(x, (B, -1, n)), xp.reshape(g, (B, -1, m))
                 if _step == "refine_out":
@@ -937,8 +1034,11 @@ class _Run:
 
             def on_batch(k):
                 state["w"], state["mask"] = P["weights"][k], P["masks"][k]
+                state["w_tok"], state["sel"] = self._batch_rows(k)
+                state["shared"] = None
 
             self.eng.collect = collect
+            self.eng.vjp_done = lambda: state.__setitem__("shared", None)
             rec = SweepRecord(step, a, b, None, node.schedule, node.snapshots)
             self._sweep(rec, a, a, b, on_batch)
             for n in names:   # finalise layer by layer, dropping each accumulator at once
@@ -955,6 +1055,7 @@ class _Run:
                 for n in names:
                     self.kfac_sink(n, *current[n])
         self.eng.collect = None   # the closure holds this leaf's factors: let them go
+        self.eng.vjp_done = None
         for n in names:
             if self.sink is not None:
                 self.sink(n, *current[n])

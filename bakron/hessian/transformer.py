@@ -316,19 +316,40 @@ class Attention:
         k = k * cos + _rotate_half(xp, k) * sin
         return q_pre, k_pre, q, k, v, (cos, sin)
 
-    def _probs(self, xp, q, k):
-        """Causal softmax of ``q kᵀ / sqrt(hd)`` per group: (b, K, rep, T, T)."""
-        b, _, T, hd = q.shape
-        rep = self.H // self.K
-        qg = xp.reshape(q, (b, self.K, rep, T, hd))
-        S = (qg @ xp.permute_dims(k, (0, 1, 3, 2))[:, :, None, ...]) * (1.0 / math.sqrt(hd))
-        i = xp.arange(T, device=_xp.device(q))
-        causal = i[:, None] >= i[None, :]
-        zero = xp.zeros((T, T), dtype=S.dtype, device=_xp.device(q))
-        S = S + xp.where(causal, zero, zero - math.inf)
+    def _group(self, xp, y):
+        """(b, H, T, hd) → (b, K, rep·T, hd): the query heads that share one key/value head
+        stacked over the rows (a contiguous copy), so that every product of the scores is one
+        GEMM per group and sums over the shared heads happen inside the GEMM."""
+        b, _, T, hd = y.shape
+        return xp.reshape(y, (b, self.K, (self.H // self.K) * T, hd))
+
+    def _ungroup(self, xp, y):
+        b, _, RT, hd = y.shape
+        return xp.reshape(y, (b, self.H, RT // (self.H // self.K), hd))
+
+    def _causal(self, xp, T, dtype, device):
+        """The additive causal mask of the grouped scores: (rep·T, T), 0 or -inf."""
+        key = (T, str(dtype), str(device))
+        cache = getattr(self, "_mask_cache", None)
+        if cache is None or cache[0] != key:
+            i = np.arange(T)
+            m = np.where(i[:, None] >= i[None, :], 0.0, -np.inf)
+            m = np.tile(m, (self.H // self.K, 1))
+            cache = (key, xp.astype(xp.asarray(m, device=device), dtype))
+            self._mask_cache = cache
+        return cache[1]
+
+    def _probs(self, xp, qg, k):
+        """Causal softmax of ``q kᵀ / sqrt(hd)`` per group: (b, K, rep·T, T) for grouped
+        queries ``qg`` (:meth:`_group`)."""
+        T, hd = k.shape[2], k.shape[3]
+        S = (qg @ xp.matrix_transpose(k)) * (1.0 / math.sqrt(hd))
+        S = S + self._causal(xp, T, S.dtype, _xp.device(qg))
         S = S - xp.max(S, axis=-1, keepdims=True)
         E = xp.exp(S)
-        return E / xp.sum(E, axis=-1, keepdims=True)
+        del S
+        E /= xp.sum(E, axis=-1, keepdims=True)
+        return E
 
     def _attend(self, xp, q, k, v):
         """(B, H, T, hd) outputs of the heads, ``score_bytes`` worth of sequences at a time."""
@@ -337,9 +358,9 @@ class Attention:
         outs = []
         for s in range(0, B, step):
             b = min(step, B - s)
-            P = self._probs(xp, q[s:s + b, ...], k[s:s + b, ...])
-            O = P @ v[s:s + b, :, None, ...]
-            outs.append(xp.reshape(O, (b, self.H, T, hd)))
+            qg = self._group(xp, q[s:s + b, ...])
+            P = self._probs(xp, qg, k[s:s + b, ...])
+            outs.append(self._ungroup(xp, P @ v[s:s + b, ...]))
         return outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
 
     def forward(self, xp, h):
@@ -350,24 +371,25 @@ class Attention:
         n_q, n_k, n_v, n_o = self.names
         q_pre, k_pre, q, k, v, (cos, sin) = self._prepare(xp, h)
         B, _, T, hd = q.shape
-        rep = self.H // self.K
         scale = 1.0 / math.sqrt(hd)
         dO = self._heads(xp, _lin_t(xp, delta, self.Wo), self.H)
         O, dq, dk, dv = [], [], [], []
         step = self._chunk(B, T, xp.finfo(q.dtype).bits // 8)
         for s in range(0, B, step):
             b = min(step, B - s)
-            qs, ks, vs = q[s:s + b, ...], k[s:s + b, ...], v[s:s + b, ...]
-            P = self._probs(xp, qs, ks)                                  # (b, K, rep, T, T)
-            O.append(xp.reshape(P @ vs[:, :, None, ...], (b, self.H, T, hd)))
-            dOg = xp.reshape(dO[s:s + b, ...], (b, self.K, rep, T, hd))
-            dv.append(xp.sum(xp.permute_dims(P, (0, 1, 2, 4, 3)) @ dOg, axis=2))
-            dP = dOg @ xp.permute_dims(vs, (0, 1, 3, 2))[:, :, None, ...]
-            dS = P * (dP - xp.sum(dP * P, axis=-1, keepdims=True)) * scale
+            qg, ks, vs = self._group(xp, q[s:s + b, ...]), k[s:s + b, ...], v[s:s + b, ...]
+            P = self._probs(xp, qg, ks)                                  # (b, K, rep·T, T)
+            O.append(self._ungroup(xp, P @ vs))
+            dOg = self._group(xp, dO[s:s + b, ...])
+            dv.append(xp.matrix_transpose(P) @ dOg)                      # sums the shared heads
+            dP = dOg @ xp.matrix_transpose(vs)
+            dS = dP
+            dS -= xp.sum(dP * P, axis=-1, keepdims=True)
+            dS *= P
+            dS *= scale
             del P, dP
-            dq.append(xp.reshape(dS @ ks[:, :, None, ...], (b, self.H, T, hd)))
-            qg = xp.reshape(qs, (b, self.K, rep, T, hd))
-            dk.append(xp.sum(xp.permute_dims(dS, (0, 1, 2, 4, 3)) @ qg, axis=2))
+            dq.append(self._ungroup(xp, dS @ ks))
+            dk.append(xp.matrix_transpose(dS) @ qg)
             del dS
         cat = (lambda a: a[0] if len(a) == 1 else xp.concat(a, axis=0))
         collect(n_o, self._merge(xp, cat(O)), delta)

@@ -1,0 +1,149 @@
+"""What a Hessian pass costs: its matrix products, their FLOPs, and a prediction of the wall
+time of a collection on this machine from a short measurement of its GEMM rate.
+
+``pass_gemms(stages, rows, seqs)`` lists the products of one pass of a chain (the forward, the
+VJP, the factor updates); :func:`estimate_seconds` turns them into seconds for ``tokens``
+calibration tokens and ``passes`` passes: the FLOPs over the GEMM rate measured now (one
+product of the chain's own sizes, a fraction of a second) times :data:`OVERHEAD`, the ratio of a
+pass to its GEMM floor measured by ``python -m bakron.benchmarks.hessian``
+(docs/benchmarks/hessian.md).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+__all__ = ["pass_gemms", "pass_flops", "gemm_rate", "estimate_seconds", "announce",
+           "OVERHEAD"]
+
+#: pass time / GEMM floor of a K-FAC or refinement pass (docs/benchmarks/hessian.md): a
+#: prediction scales the floor by it
+OVERHEAD = 2.5
+
+
+def _linear(out, N, m, n, *, need_grad=True, syrk_in=True):
+    out["fwd"].append(("gemm", N, n, m))
+    if need_grad:
+        out["vjp"].append(("gemm", N, m, n))
+    if syrk_in:
+        out["in"].append(n)
+    out["out"].append(m)
+    out["layers"].append((m, n))
+
+
+def pass_gemms(stages, rows: int, seqs=None) -> dict:
+    """The matrix products of one pass of ``stages`` over ``rows`` real token rows (``seqs``:
+    ``(count, length)`` of the attention's sequences, for its score products):
+    ``{"N": rows, "fwd": [...], "vjp": [...], "in": [n, ...], "out": [m, ...],
+    "layers": [(m, n), ...]}``. GEMMs are ``("gemm", M, K, N)``, batched ones
+    ``("bmm", count, M, K, N)``; ``in``/``out`` are the sizes of the factor updates of a K-FAC
+    pass (one ``H_in`` per distinct input), ``layers`` every linear's ``(m, n)``."""
+    from .stages import Linear, Residual, SoftmaxCrossEntropy
+    from .transformer import Attention, Embedding, LMHead, SwiGLU
+
+    N = int(rows)
+    out = {"N": N, "fwd": [], "vjp": [], "in": [], "out": [], "layers": []}
+
+    def walk(chain, first):
+        for i, st in enumerate(chain):
+            need = not (first and i == 0)
+            if isinstance(st, Residual):
+                walk(st.stages, False)
+            elif isinstance(st, Linear):
+                m, n = st.shape
+                _linear(out, N, m, n, need_grad=need)
+            elif isinstance(st, Attention):
+                d, hd, H, K = st.d, st.hd, st.H, st.K
+                _linear(out, N, H * hd, d, need_grad=need)
+                _linear(out, N, K * hd, d, need_grad=need, syrk_in=False)
+                _linear(out, N, K * hd, d, need_grad=need, syrk_in=False)
+                _linear(out, N, d, H * hd)
+                if seqs is not None:
+                    S, T = seqs
+                    c, r = S * K, H // K
+                    out["fwd"] += [("bmm", c, r * T, hd, T), ("bmm", c, r * T, T, hd)]
+                    out["vjp"] += [("bmm", c, T, r * T, hd), ("bmm", c, r * T, hd, T),
+                                   ("bmm", c, r * T, T, hd), ("bmm", c, T, r * T, hd)]
+            elif isinstance(st, SwiGLU):
+                f, d = st.W_gate.shape
+                _linear(out, N, f, d, need_grad=need)
+                _linear(out, N, f, d, need_grad=need, syrk_in=False)
+                _linear(out, N, d, f)
+            elif isinstance(st, LMHead):
+                V, d = st.W_out.shape
+                out["fwd"].append(("gemm", N, d, V))
+                out["vjp"].append(("gemm", N, V, d))
+            elif isinstance(st, (Embedding, SoftmaxCrossEntropy)):
+                pass
+    walk(stages, True)
+    return out
+
+
+def _flops(item) -> float:
+    if item[0] == "gemm":
+        _, M, K, N = item
+        return 2.0 * M * K * N
+    _, c, M, K, N = item
+    return 2.0 * c * M * K * N
+
+
+def pass_flops(g: dict) -> dict:
+    """FLOPs of a pass by part (``forward``, ``vjp``, ``kfac``/``refine`` products; a
+    symmetric rank-k update of ``k`` rows of size ``n`` counts ``k n²``)."""
+    N = g["N"]
+    fwd = sum(map(_flops, g["fwd"]))
+    vjp = sum(map(_flops, g["vjp"]))
+    kfac = float(N) * (sum(n * n for n in g["in"]) + sum(m * m for m in g["out"]))
+    refine = max(sum(2.0 * N * n * n + N * m * m for m, n in g["layers"]),
+                 sum(2.0 * N * m * m + N * n * n for m, n in g["layers"]))
+    return {"forward": fwd, "vjp": vjp, "kfac_products": kfac, "refine_products": refine,
+            "kfac": fwd + vjp + kfac, "refine": fwd + vjp + refine}
+
+
+def gemm_rate(n: int = 1024, k: int = 576, m: int = 1536, dtype="float32",
+              repeats: int = 3) -> float:
+    """This machine's GEMM rate now (FLOP/s): the median of ``repeats`` products of an
+    ``(n, k)`` by ``(k, m)`` pair of random matrices, after one warm-up."""
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((n, k)).astype(dtype)
+    B = rng.standard_normal((k, m)).astype(dtype)
+    A @ B
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        A @ B
+        ts.append(time.perf_counter() - t0)
+    return 2.0 * n * k * m / max(float(np.median(ts)), 1e-9)
+
+
+def estimate_seconds(stages, tokens: int, *, passes: int, seq_len: int = 128,
+                     batch_tokens: int = 1024, refine: bool = True, rate=None) -> float:
+    """Predicted wall time of ``passes`` passes over ``tokens`` calibration tokens
+    (the first a K-FAC pass, the others refinement passes when ``refine``): the passes'
+    FLOPs at ``rate`` (default: :func:`gemm_rate` measured now on the chain's hidden size)
+    times :data:`OVERHEAD`."""
+    if passes <= 0 or tokens <= 0:
+        return 0.0
+    rows = min(int(tokens), int(batch_tokens))
+    seqs = (max(1, rows // max(int(seq_len), 1)), min(int(seq_len), rows))
+    g = pass_gemms(stages, rows, seqs)
+    f = pass_flops(g)
+    if rate is None:
+        k = max((n for _, n in g["layers"]), default=576)
+        rate = gemm_rate(n=rows, k=min(k, 4096), m=min(4 * k, 8192))
+    per_token = (f["kfac"] + (passes - 1) * (f["refine"] if refine else f["kfac"])) / rows
+    return OVERHEAD * per_token * int(tokens) / rate
+
+
+def announce(stages, seqs, *, passes: int, batch_size: int) -> str:
+    """``"global Hessians: 3 passes over 16,384 calibration tokens, about 6 min on this
+    machine"``: the line a command prints before it collects (``seqs``: the token lists)."""
+    from .progress import format_duration
+
+    tokens = sum(len(s) for s in seqs)
+    T = max((len(s) for s in seqs), default=1)
+    est = estimate_seconds(stages, tokens, passes=passes, seq_len=T,
+                           batch_tokens=max(1, batch_size) * T)
+    return (f"global Hessians: {passes} pass{'es' if passes != 1 else ''} over {tokens:,} "
+            f"calibration tokens, about {format_duration(est)} on this machine")
