@@ -1,6 +1,6 @@
 """Fitting a grid: ``UniformQuantizer.fit`` on a float32 weight (row, group of 128 and
 asymmetric row grids). The runners fit one grid per layer on the host, so for large layers
-the fit is a visible part of a layer's wall time (docs/benchmarks/h200.md, "A Llama-3-8B
+the fit is a visible part of a layer's wall time (docs/benchmarks/gpu.md, "A Llama-3-8B
 block through the runner")."""
 import numpy as np
 

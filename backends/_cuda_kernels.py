@@ -699,7 +699,7 @@ def make_kernel(dtype_name: str, tx: int, ty: int, mode: str, maxreg: int = 0,
     for stacks, which reads each block's item offsets from its descriptor; without it the
     offsets are the constant 0 (a single solve), which keeps nine 64-bit offsets out of the
     registers of the tile loop (measured on the H200: the single-solve kernel with the
-    offsets read took 4-14 % longer, docs/benchmarks/h200.md). ``running``: the step of
+    offsets read took 4-14 % longer, docs/benchmarks/gpu.md). ``running``: the step of
     running sums (each step adds the contributions of the tiles rounded at the step before,
     over all the tiles that receive one); without it a step's items are the tiles it rounds,
     each forming its whole sums in chunks of ``chunk_for`` (fewer loads per product: better

@@ -29,7 +29,7 @@ def per_thread(opts: CudaOptions, running: bool) -> int:
     """Elements of a tile per thread of the kernel: ``opts.per_thread``, or when it is 0, 2
     for the running-sum step and 1 for the other (measured on the H200: a 4096² wavefront
     with CTAs of 128 threads, twice as many resident, took 11 % less time,
-    docs/benchmarks/h200.md)."""
+    docs/benchmarks/gpu.md)."""
     return opts.per_thread or (2 if running else 1)
 
 

@@ -26,7 +26,7 @@ kernel and ``bakron/solvers/schedule.py`` for the schedules it executes):
     independent blocks of a phase (B and C, and everything below them) are solved in one launch;
     the feedback updates are cuBLAS GEMMs on views (no copies).
 
-Which one is fastest is measured (``python -m bakron.bench_gpu``, docs/benchmarks/h200.md) and
+Which one is fastest is measured (``python -m bakron.bench_gpu``, docs/benchmarks/gpu.md) and
 ``method="auto"`` follows those measurements.
 
 Stacks (``solve_stack``, the hook of ``bakron.solvers.stack``; docs/stacks.md): the items of a
@@ -80,7 +80,7 @@ from ._cuda_runtime import (_MAXGRID, SIM, _check_context, _cuda, _cupy,  # noqa
                             per_thread)
 
 #: Base block (tiles per side) used when ``solve`` is called with the library default ``base``
-#: (the recursion's base, the wavefront's coarse block). Measured: docs/benchmarks/h200.md.
+#: (the recursion's base, the wavefront's coarse block). Measured: docs/benchmarks/gpu.md.
 DEFAULT_BASE = 16
 
 NAME = "cuda"
@@ -112,7 +112,7 @@ def available() -> bool:
 
 
 def auto_base(p) -> int:
-    """Base-block size in tiles for ``base=None`` (measured: docs/benchmarks/h200.md)."""
+    """Base-block size in tiles for ``base=None`` (measured: docs/benchmarks/gpu.md)."""
     return DEFAULT_BASE
 
 
@@ -138,7 +138,7 @@ def run(p, method: str, base: int, variant: str) -> EngineResult:
 #: ``method="auto"`` on a stack: the two-level wavefront in stack form (per coarse step one
 #: launch over every item's blocks, batched GEMMs over the items), with coarse blocks of
 #: ``CudaOptions.stack_base`` tiles (default 4) when ``base`` is not given. Measured on the
-#: H200 (64 x 1024², 128 x 768x2048, 64 x 256²; docs/benchmarks/h200.md, "Stacks"): the wavefront was as fast as or
+#: H200 (64 x 1024², 128 x 768x2048, 64 x 256²; docs/benchmarks/gpu.md, "Stacks"): the wavefront was as fast as or
 #: faster than the one-launch anti-diagonal at every size (1.7x at 1024²), and base 4 the
 #: fastest of 2, 4, 8, 16 on all three. Matrices of at most 4 tiles take the anti-diagonal.
 #: ... for items of fewer than ``STACK_LARGE`` tiles a side; larger items take the single
@@ -262,7 +262,7 @@ def warm_up(dtypes=("float32", "float64"), tiles=((16, 16),),
 
 
 def auto_method(p, base: int) -> str:
-    """``method="auto"`` on the GPU, from the measurements in docs/benchmarks/h200.md: the
+    """``method="auto"`` on the GPU, from the measurements in docs/benchmarks/gpu.md: the
     two-level wavefront is the fastest schedule at every measured size, faster than the
     quadrant recursion and the single-launch anti-diagonal, because on the GPU the number of
     dependent grid steps decides."""

@@ -7,7 +7,7 @@ round (sorted by cumulative and by internal time)::
 
     python scripts/gpu_block_profile.py profile.txt
 
-Needs cupy and a CUDA device; docs/benchmarks/h200.md ("A Llama-3-8B block through the
+Needs cupy and a CUDA device; docs/benchmarks/gpu.md ("A Llama-3-8B block through the
 runner") reports what it found.
 """
 import argparse

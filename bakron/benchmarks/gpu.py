@@ -1,4 +1,4 @@
-"""GPU benchmark of the cuda engine: build, time, write docs/benchmarks/h200.md + plot.
+"""GPU benchmark of the cuda engine: build, time, write docs/benchmarks/gpu.md + plot.
 
 Run on a machine with a CUDA GPU, cupy and numba-cuda::
 
