@@ -79,7 +79,8 @@ def test_simulator_suite(simulator_run):
     passes, none is skipped, and every ``test_sim_`` function ran."""
     import xml.etree.ElementTree as ET
 
-    # about 4 minutes on the 2-core CI machine beside the other tests; the limit leaves room
+    # a few minutes on the 2-core CI machine (it starts after collection); the limit leaves
+    # room for a loaded machine
     rc, tail = simulator_run.wait(timeout=1200)
     assert rc == 0, tail
     cases = ET.parse(simulator_run.junit).getroot().iter("testcase")
