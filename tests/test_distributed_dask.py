@@ -95,6 +95,7 @@ def test_dask_run_is_bitwise_identical_to_in_process_and_isolates_failures(clien
     assert set(again.failed) == {"poison"}
 
 
+@pytest.mark.slow   # its own cluster of worker processes, one of them killed
 def test_worker_killed_mid_run_loses_nothing_and_writes_nothing_twice(tmp_path):
     layers = write_synthetic_layers(tmp_path / "in", [(320, 256)] * 10, seed=5)
     jobs = make_jobs(layers)

