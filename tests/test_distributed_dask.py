@@ -189,6 +189,7 @@ _GPU_CLUSTER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # a subprocess with its own cluster
 def test_gpu_cluster_one_worker_per_gpu_without_cuda_in_the_client(tmp_path):
     """The GPU helper's cluster shape, checked on a CPU machine: one single-threaded loopback
     worker per GPU id with its own CUDA_VISIBLE_DEVICES and a GPU=1 resource that the layer
