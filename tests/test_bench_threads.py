@@ -22,6 +22,7 @@ def test_cpu_methods_come_from_the_engine():
     assert ("recursive", "direct") not in got  # variants are the anti-diagonal's
 
 
+@pytest.mark.slow
 def test_quick_thread_scaling_run_writes_a_table_that_parses(tmp_path):
     out = tmp_path / "bench"
     p = subprocess.run([sys.executable, "-m", "bakron.bench", "--threads", "1,2", "--quick",
@@ -66,6 +67,7 @@ def test_threads_option_is_checked(capsys):
     assert "--methods must name methods of the table" in err and "'recursive,fastest'" in err
 
 
+@pytest.mark.slow
 def test_methods_option_limits_the_table(tmp_path):
     """``--methods``: only those methods are timed (the floor always)."""
     out = tmp_path / "bench"

@@ -1,15 +1,14 @@
 """The cuda engine: kernels under numba-cuda's simulator (CI), and on a real GPU (``gpu``).
 
 * ``test_simulator_suite`` runs the ``test_sim_*`` tests below in a subprocess with
-  ``NUMBA_ENABLE_CUDASIM=1`` (it must be set before numba is imported), on tiny inputs.
+  ``NUMBA_ENABLE_CUDASIM=1`` (it must be set before numba is imported), on tiny inputs; the
+  subprocess starts after collection and runs beside the other tests (conftest.py).
 * ``gpu``-marked tests need a CUDA device with cupy and are skipped without one: every method
   reproduces the reference cases exactly in float64, property tests against the CPU path.
 """
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
 
 import numpy as np
@@ -66,19 +65,35 @@ def _ref(W, A_out, A_in, q, tile):
 # simulator (CI): the same kernels and schedules on numpy arrays
 # ------------------------------------------------------------------------------------------
 
+# the number of test_sim_ cases (parametrizations included): the parent requires exactly these
+# many passes and no skip, so that a test that stops running cannot go unnoticed; adding or
+# removing a simulator case updates it
+SIM_CASES = 56
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(SIM or not HAS_NUMBA_CUDA, reason="parent of the simulator run")
-def test_simulator_suite():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONDONTWRITEBYTECODE="1")
-    here = os.path.dirname(__file__)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_sim_",
-           os.path.join(here, "test_cuda.py")]
-    # about 8.5 minutes on the 2-core CI machine (56 tests); the limit leaves room for load
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=here)
-    tail = out.stdout[-3000:] + out.stderr[-2000:]
-    assert out.returncode == 0, tail
-    m = re.search(r"(\d+) passed", out.stdout)
-    assert m and int(m.group(1)) >= 8, tail
-    assert " failed" not in out.stdout, tail
+def test_simulator_suite(simulator_run):
+    """The ``test_sim_*`` tests below in a child pytest with ``NUMBA_ENABLE_CUDASIM=1``
+    (conftest.py starts it right after collection, beside the rest of the suite): every case
+    passes, none is skipped, and every ``test_sim_`` function ran."""
+    import xml.etree.ElementTree as ET
+
+    # a few minutes on the 2-core CI machine (it starts after collection); the limit leaves
+    # room for a loaded machine
+    rc, tail = simulator_run.wait(timeout=1200)
+    assert rc == 0, tail
+    cases = ET.parse(simulator_run.junit).getroot().iter("testcase")
+    outcome = {}
+    for c in cases:
+        bad = [e.tag for e in c if e.tag in ("failure", "error", "skipped")]
+        outcome[c.get("name")] = bad[0] if bad else "passed"
+    passed = sorted(n for n, o in outcome.items() if o == "passed")
+    assert len(outcome) == len(passed) == SIM_CASES, (
+        f"{len(passed)} of {len(outcome)} simulator cases passed, want {SIM_CASES}: "
+        f"{sorted((n, o) for n, o in outcome.items() if o != 'passed')}\n{tail}")
+    functions = {n for n in globals() if n.startswith("test_sim_")}
+    assert {n.split("[")[0] for n in passed} == functions, tail
 
 
 @sim_only

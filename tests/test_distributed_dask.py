@@ -95,6 +95,7 @@ def test_dask_run_is_bitwise_identical_to_in_process_and_isolates_failures(clien
     assert set(again.failed) == {"poison"}
 
 
+@pytest.mark.slow   # its own cluster of worker processes, one of them killed
 def test_worker_killed_mid_run_loses_nothing_and_writes_nothing_twice(tmp_path):
     layers = write_synthetic_layers(tmp_path / "in", [(320, 256)] * 10, seed=5)
     jobs = make_jobs(layers)
@@ -188,6 +189,7 @@ _GPU_CLUSTER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # a subprocess with its own cluster
 def test_gpu_cluster_one_worker_per_gpu_without_cuda_in_the_client(tmp_path):
     """The GPU helper's cluster shape, checked on a CPU machine: one single-threaded loopback
     worker per GPU id with its own CUDA_VISIBLE_DEVICES and a GPU=1 resource that the layer

@@ -354,6 +354,7 @@ def test_memory_sweep_matches_real_runs():
 # -- the quick variant on the real model ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_quick_demo_on_smollm2(tmp_path, smollm2):
     """``bakron demo --model smollm2 --quick``'s run: the 14 layers of blocks 0 and 29."""
     res = demo.run(tmp_path, model=smollm2, device="cpu", quick=True, bits=(2, 4),

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
+pytestmark = pytest.mark.slow   # the real SmolLM2: outside the fast tier
 
 import bakron.hessian as bh  # noqa: E402
 from bakron.models import load_llm  # noqa: E402

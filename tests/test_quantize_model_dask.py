@@ -232,6 +232,7 @@ def test_numpy_integers_are_accepted(models, tmp_path):
     assert res["calibration"]["sequences"] == 4 and (tmp_path / "q.gguf").is_file()
 
 
+@pytest.mark.slow   # a cluster of worker processes
 def test_worker_processes_write_the_same_export(models, tmp_path, local_exports):
     """Worker processes (pickled arrays, one BLAS thread each) round exactly as the driver."""
     from bakron.distributed import cpu_cluster

@@ -127,6 +127,7 @@ def _refused(c, W, A_out, A_in, q, tile):
     return None
 
 
+@pytest.mark.slow   # many random stacks through every engine and path
 @given(stacks())
 def test_every_item_equals_its_single_solve_float64(c):
     W, A_out, A_in, q = _build(c)
@@ -152,6 +153,7 @@ def test_every_item_equals_its_single_solve_float64(c):
     assert info["shape"] == c["expected"]
 
 
+@pytest.mark.slow   # many random stacks through every engine and path
 @given(stacks(max_side=10))
 def test_every_item_equals_its_single_solve_float32(c):
     """float32: the stack runs the same single solve per item, so it is bitwise identical

@@ -22,6 +22,7 @@ def test_there_are_tutorials():
     assert len(PAGES) >= 4, PAGES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("no_numba", [False, True], ids=["numba", "no-numba"])
 @pytest.mark.parametrize("page", PAGES, ids=[p.stem for p in PAGES])
 def test_tutorial_prints_what_the_page_shows(page, no_numba):
