@@ -41,11 +41,12 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-if SIMULATOR:
-    # numba-cuda's simulator runs each CUDA thread as a Python thread and its block manager
-    # polls them in a loop that holds the GIL for a whole switch interval (5 ms by default)
-    # while the threads wait: a shorter interval roughly halves the simulator suite's time
-    sys.setswitchinterval(2e-4)
+# numba-cuda's simulator runs each CUDA thread as a Python thread and its block manager polls
+# them holding the GIL for a whole switch interval (5 ms by default). A 0.2 ms interval
+# roughly halved the simulator suite's time, but one run then failed with NaN/Inf rounding in
+# test_sim_elements_per_thread_keep_results_exact[running-1] (not reproduced since): the finer
+# interleaving may expose a race in the running-sum kernel. Until that is understood the
+# default interval stays; the suite runs beside the other tests instead (see below).
 
 
 def _namespaces():
