@@ -202,10 +202,9 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     return _layer_result(prep, res, metrics=metrics, say=say)
 
 
-def _incoherent(W, H_in, H_out, incoherence, **kw) -> LayerResult:
-    """:func:`quantize_layer` of the rotated layer, its values rotated back."""
-    from .incoherence import Incoherence
-
+def _checked_layer(W, H_in, H_out):
+    """``(xp, W, H_in, H_out, input_dtype)``: the layer's arrays as native arrays of one
+    namespace, ``W`` in its working dtype and finite, the factors' shapes checked."""
     xp = _xp.namespace(W, H_in, H_out)
     W, H_in, H_out = native(xp, W), native(xp, H_in), native(xp, H_out)
     check_matrix(xp, W, "W")
@@ -215,6 +214,15 @@ def _incoherent(W, H_in, H_out, incoherence, **kw) -> LayerResult:
     check_matrix(xp, H_in, "H_in")
     check_factor_shape(H_in, n, "H_in", "H_out", m, "columns")
     _check_h_out(xp, H_out, m, n)
+    return xp, W, H_in, H_out, input_dtype
+
+
+def _incoherent(W, H_in, H_out, incoherence, **kw) -> LayerResult:
+    """:func:`quantize_layer` of the rotated layer, its values rotated back."""
+    from .incoherence import Incoherence
+
+    xp, W, H_in, H_out, input_dtype = _checked_layer(W, H_in, H_out)
+    m, n = W.shape
     if isinstance(incoherence, Incoherence):
         rot = incoherence
         if rot.shape != (m, n):
@@ -264,15 +272,8 @@ def _prepare(W, H_in, H_out, *, quantizer, bits, tile, damp, symmetric, granular
     """Check one layer's inputs, fit its quantizer when none is given, prepare its factors
     (``factors``: a cache by Hessian object and block, for layers that share a Hessian)."""
     say = say or (lambda msg: None)
-    xp = _xp.namespace(W, H_in, H_out)
-    W, H_in, H_out = native(xp, W), native(xp, H_in), native(xp, H_out)
-    check_matrix(xp, W, "W")
-    W, input_dtype = _working_dtype(xp, W)
-    check_finite(xp, W, "W")
+    xp, W, H_in, H_out, input_dtype = _checked_layer(W, H_in, H_out)
     m, n = W.shape
-    check_matrix(xp, H_in, "H_in")
-    check_factor_shape(H_in, n, "H_in", "H_out", m, "columns")
-    _check_h_out(xp, H_out, m, n)
     diag_out = H_out is not None and len(H_out.shape) == 1
     tx, ty = check_tile(tile, m, n)
     damp = check_damp(damp)

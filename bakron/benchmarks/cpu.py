@@ -111,18 +111,23 @@ def interleaved(fns: dict, repeats: int, budget: float) -> dict:
     return times
 
 
-def _machine() -> str:
-    import numba
-
+def cpu_name() -> str:
+    """The processor's model name (``/proc/cpuinfo``), else what :mod:`platform` says."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return cpu
+
+
+def _machine() -> str:
+    import numba
+
+    cpu = cpu_name()
     from bakron.backends import _numba_kernels
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),)

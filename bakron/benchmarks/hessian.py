@@ -248,16 +248,9 @@ def child(args) -> dict:
 # the page
 # --------------------------------------------------------------------------------------------
 def _machine() -> str:
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, numpy "
+    from .cpu import cpu_name
+
+    return (f"{cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}, numpy "
             f"{np.__version__}")
 
 
