@@ -137,6 +137,8 @@ def read_npz(path, names=None) -> dict[str, np.ndarray]:
     try:
         with zipfile.ZipFile(path) as z:
             for info in infos:
+                if not info.filename:   # zipfile's is_dir() fails on an empty name
+                    raise InputError(f"{path}: a member of the archive has an empty name")
                 key = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
                 if names is not None and key not in names:
                     continue

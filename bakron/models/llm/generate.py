@@ -92,8 +92,8 @@ def _attention_step(xp, attn, x, cache, slot, pos, rows):
     sin = xp.reshape(xp.take(sin_t, pos, axis=0), (B, 1, 1, attn.hd))
     q = q * cos + _rotate_half(xp, q) * sin
     k = k * cos + _rotate_half(xp, k) * sin
-    cache.k[slot][rows, :, pos, :] = k[:, :, 0, :]
-    cache.v[slot][rows, :, pos, :] = v[:, :, 0, :]
+    _write_step(xp, cache.k, slot, rows, pos, k)
+    _write_step(xp, cache.v, slot, rows, pos, v)
     Tc = int(xp.max(pos)) + 1
     K_, V_ = cache.k[slot][:, :, :Tc, :], cache.v[slot][:, :, :Tc, :]
     rep, hd = attn.H // attn.K, attn.hd
@@ -108,6 +108,21 @@ def _attention_step(xp, attn, x, cache, slot, pos, rows):
     P = E / xp.sum(E, axis=-1, keepdims=True)
     O = xp.reshape(P @ V_[:, :, None, ...], (B, attn.H, 1, hd))
     return _lin(xp, attn._merge(xp, O), attn.Wo)
+
+
+def _write_step(xp, bufs, slot, rows, pos, new):
+    """``bufs[slot][b, :, pos[b], :] = new[b, :, 0, :]`` for every row ``b`` (``rows`` is
+    every row, ``0..B-1``). numpy and cupy write the rows in place; the Array API has no
+    integer-array assignment, so any other namespace selects the new values with a one-hot
+    mask of the positions (a whole-cache ``where``: slower, but standard)."""
+    if _xp.is_numpy(xp) or _xp.is_cupy(xp):
+        bufs[slot][rows, :, pos, :] = new[:, :, 0, :]
+        return
+    buf = bufs[slot]
+    T = buf.shape[2]
+    at = xp.reshape(xp.arange(T, device=_xp.device(buf))[None, :] == pos[:, None],
+                    (buf.shape[0], 1, T, 1))
+    bufs[slot] = xp.where(at, new, buf)
 
 
 def _walk(lm, x, cache, attend):
