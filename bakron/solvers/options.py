@@ -104,6 +104,8 @@ class _Options:
 class CudaOptions(_Options):
     """Options of the CUDA engine (``engine="cuda"``; docs/engines.md for what each does).
 
+    Parameters
+    ----------
     tf32 : bool
         Let cuBLAS use TF32 tensor cores for float32 GEMMs (faster, less accurate: Ŵ may
         differ from float64 in many more places). Default off.
@@ -128,9 +130,9 @@ class CudaOptions(_Options):
     stack : bool
         The stack hook (every launch and GEMM covers all items of a stack chunk); False
         declines every stack, so the stack layer solves the items one by one.
-    scatter_rows : int >= 0, gather_tiles : int >= 0, gather_min_side : int >= 1,
-    gather_split : int >= 1
-        How the wavefront's GEMMs leave out the factors' zeros: scatters by chunks of
+    scatter_rows, gather_tiles, gather_min_side, gather_split : int
+        How the wavefront's GEMMs leave out the factors' zeros (``scatter_rows``,
+        ``gather_tiles`` >= 0; ``gather_min_side``, ``gather_split`` >= 1): scatters by chunks of
         ``scatter_rows`` coarse block rows; gathers split along K into at most
         ``gather_split`` partial products when the blocks are at least ``gather_min_side``
         a side and ``gather_tiles`` allows (0 turns either off).
@@ -169,6 +171,8 @@ class CudaOptions(_Options):
 class NumbaOptions(_Options):
     """Options of the numba CPU engine (``engine="numba"``; docs/engines.md).
 
+    Parameters
+    ----------
     panel : int >= 1
         Panel width (elements) of the recursion's triangular products: the zero triangle of
         a unit-triangular block is skipped except inside the diagonal panels.
