@@ -278,12 +278,7 @@ class _DeviceSolve:
         """``C = alpha op(A) op(B) + beta C`` on 2-D views with unit column stride."""
         self.gemms += 1
         if SIM:
-            oa = A.T if ta else A
-            ob = B.T if tb else B
-            if beta == 0.0:
-                C[...] = alpha * (oa @ ob)
-            else:
-                C[...] = alpha * (oa @ ob) + beta * C
+            _host_gemm(C, A, B, ta, tb, alpha, beta)
             return
         M, N = C.shape
         K = A.shape[0] if ta else A.shape[1]
@@ -337,12 +332,7 @@ class _DeviceSolve:
                 A = _strided(bufs[ba], oa, (K, M) if ta else (M, K), lda)
                 B = _strided(bufs[bb], ob, (N, K) if tb else (K, N), ldb)
                 C = _strided(bufs[bc], oc, (M, N), ldc)
-                oa_ = A.T if ta else A
-                ob_ = B.T if tb else B
-                if beta == 0.0:
-                    C[...] = alpha * (oa_ @ ob_)
-                else:
-                    C[...] = alpha * (oa_ @ ob_) + beta * C
+                _host_gemm(C, A, B, ta, tb, alpha, beta)
             return
         if k == 1:
             hp = self.host_ptrs
@@ -394,6 +384,16 @@ def _ld(X, isz: int) -> int:
         raise ValueError("internal: GEMM operand must have unit column stride")
     ld = X.strides[0] // isz if X.shape[0] > 1 else X.shape[1]
     return max(1, ld, X.shape[1])
+
+
+def _host_gemm(C, A, B, ta, tb, alpha, beta):
+    """The simulator's ``C = alpha op(A) op(B) + beta C`` in numpy (``beta = 0`` ignores C's
+    contents, as cuBLAS does)."""
+    prod = (A.T if ta else A) @ (B.T if tb else B)
+    if beta == 0.0:
+        C[...] = alpha * prod
+    else:
+        C[...] = alpha * prod + beta * C
 
 
 def _strided(buf, off, shape, ld):
