@@ -721,7 +721,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
 
         work = work_folder(out)
         if factors != "rtn":   # (read-only: the layers this run would still collect)
-            _check_memory_budget(lm, xp, seqs, [n for n in names if n not in finished()],
+            ready = finished()
+            _check_memory_budget(lm, xp, seqs, [n for n in names if n not in ready],
                                  memory_budget, batch_size)
         run = {"key": key, "version": _VERSION, "model": str(model),
                "source": str(Path(src).resolve()),
