@@ -281,7 +281,7 @@ def _gram(xp, Y, scale=None):
     ``?syrk`` on ``√s_t y_t`` when every ``s_t >= 0``), one GEMM otherwise."""
     if scale is not None:
         scale = xp.astype(scale, Y.dtype)
-    if _is_numpy(xp):
+    if _xp.is_numpy(xp):
         import numpy as np
 
         blas = _syrk(Y.dtype)
@@ -292,10 +292,6 @@ def _gram(xp, Y, scale=None):
     if scale is None:
         return xp.matrix_transpose(Y) @ Y
     return xp.matrix_transpose(Y) @ (Y * scale[:, None])
-
-
-def _is_numpy(xp) -> bool:
-    return getattr(xp, "__name__", "").split(".")[-1] == "numpy"
 
 
 def _syrk(dtype):
