@@ -401,25 +401,94 @@ def _rows(paths):
     return out
 
 
+THROUGHPUT_PAGE = """# Global Hessians on the GPU
+
+Throughput of the global-Hessian passes of SmolLM2-135M on {gpu} with cupy {cupy}: a K-FAC
+pass, then one refinement step (a pass for `H_O`, a pass for `H_I`), every one of the 210
+linear layers collected, over random token ids in sequences of 128 tokens, float32 factor
+products summed in float64. The *floor* of a pass is measured in the same process: every
+matrix product of the pass (`bakron.hessian.cost.pass_gemms`: the forward, the VJP, the
+factor products as `syrk`) timed alone with CUDA events on random data of its shape and
+summed; ratio = pass time ÷ floor. The TF32 row's floor was measured with TF32 allowed too,
+but its factor products are timed as `syrk` calls while the pass forms them as GEMMs
+(`Xᵀ X`); a ratio below 1 there says that those GEMMs on TF32 tensor cores beat the `syrk`
+floor. Measured on {date}. Command:
+
+```bash
+python scripts/gpu_scale.py throughput --out thr.json --batch-seqs 128,512 --tokens 65536 \\
+    --save f32.npz
+CUPY_TF32=1 python scripts/gpu_scale.py throughput --out thr.json --batch-seqs 512 \\
+    --tokens 65536 --compare f32.npz
+python scripts/gpu_scale.py report thr.json --page docs/benchmarks/hessian-gpu.md
+```
+
+{table}
+
+The cupy pool column is the memory the pool held after the run (activations of a whole batch
+are kept: store-all schedule). With the default batches of `bakron quantize-model` on the
+CPU (8 sequences) the same pass runs far below these rates on a GPU, so on a GPU
+`quantize-model` now uses batches of 256 sequences.
+
+**TF32.** `CUPY_TF32=1` lets cuBLAS use TF32 tensor cores for the float32 products:
+1.6× the tokens per second. Its input factors differ from float32 by {in_err} (relative
+Frobenius error, 4 layers, 8,192 tokens); its output factors by {out_err}. The labels of
+the output factor are sampled from the model's own softmax, so where TF32 rounding moves a
+token's probabilities across a sampling threshold that token gets another label; this is the
+likely cause of the large difference (the two runs are then two samples of a noisy
+estimate), but it was not separated from rounding here (a run with given labels would). The
+factor tests were not run with TF32, so float32 stays the default.
+"""
+
+
 def report(args):
-    """Markdown tables (stdout) and the KL-against-tokens plot from the JSON results."""
+    """Markdown tables (stdout) and the KL-against-tokens plot from the JSON results; with
+    ``--page`` the throughput page."""
     rows = _rows(args.results)
     thr = [r for r in rows if r.get("kind") == "throughput" and "seconds" in r]
+    if args.page:
+        import contextlib
+        import datetime
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            _throughput_table(thr)
+        err = next(r["factor_rel_error_vs_saved"] for r in rows
+                   if "factor_rel_error_vs_saved" in r)
+        ins = [v for k, v in err.items() if k.endswith(".in")]
+        outs = [v for k, v in err.items() if k.endswith(".out")]
+        date = args.date or datetime.date.today().isoformat()
+        page = THROUGHPUT_PAGE.format(
+            gpu=f"one {thr[0]['gpu']}", cupy=thr[0]["cupy"], date=date, table=buf.getvalue(),
+            in_err=f"{min(ins):.0e}–{max(ins):.0e}", out_err=f"{min(outs):.2f}–{max(outs):.2f}")
+        tmp = Path(args.page).with_suffix(".tmp")
+        tmp.write_text(page)
+        os.replace(tmp, args.page)
+        return
     if thr:
-        print("| cuBLAS | batch (sequences × tokens) | tokens | K-FAC tok/s (÷ floor) "
-              "| refine H_O tok/s (÷ floor) | refine H_I tok/s (÷ floor) | cupy pool |")
-        print("|---|---|---|---|---|---|---|")
-        for r in thr:
-            cells = [f"{r['tokens_per_s'][k]:,.0f} ({r['ratio'][k]:.1f}×)"
-                     for k in ("kfac", "refine_out", "refine_in")]
-            print(f"| {'TF32' if r['tf32'] else 'float32'} | {r['batch_seqs']} × {r['seq_len']} "
-                  f"| {r['tokens']:,} | " + " | ".join(cells)
-                  + f" | {r['pool_bytes'] / 2 ** 30:.1f} GiB |")
+        _throughput_table(thr)
         for r in rows:
             if "factor_rel_error_vs_saved" in r:
                 e = r["factor_rel_error_vs_saved"]
                 print(f"\nTF32 factors against float32 (relative Frobenius error): "
                       f"max {max(e.values()):.1e} over {len(e)} factors")
+    _quality(rows, args)
+
+
+def _throughput_table(thr):
+    if thr:
+        print("| cuBLAS | batch (sequences × tokens) | tokens | K-FAC tok/s (÷ floor) "
+              "| refine H_O tok/s (÷ floor) | refine H_I tok/s (÷ floor) | cupy pool |")
+        print("|---|---|---|---|---|---|---|")
+        for r in thr:
+            cells = [f"{r['tokens_per_s'][k]:,.0f} ({r['ratio'][k]:.2f}×)"
+                     for k in ("kfac", "refine_out", "refine_in")]
+            print(f"| {'TF32' if r['tf32'] else 'float32'} | {r['batch_seqs']} × {r['seq_len']} "
+                  f"| {r['tokens']:,} | " + " | ".join(cells)
+                  + f" | {r['pool_bytes'] / 2 ** 30:.1f} GiB |")
+
+
+def _quality(rows, args):
     cal = [r for r in rows if r.get("kind") == "calibration"]
     if cal:
         c = cal[-1]
@@ -443,6 +512,7 @@ def report(args):
                 cells.append(f"{r[f'{k}_kl'] / b[f'{k}_kl']:.2f}" if b else "")
             print(f"| {r['size'] // 1024}k | {r['bits']} | {r['variant']} | "
                   + " | ".join(cells) + " |")
+        _ratio_table(abl)
         secs = {r["size"]: r["collect_seconds"] for r in abl}
         print("\nK-FAC collection (the 42 layers): " + ", ".join(
             f"{n // 1024}k tokens {t:.0f} s" for n, t in sorted(secs.items())))
@@ -464,6 +534,26 @@ def report(args):
               + ", ".join(f"{m}: {a:.3f}" for m, a in sorted(rule.items())))
     if abl and args.plot:
         _plot(abl, args.plot)
+
+
+def _ratio_table(abl):
+    """LDLQ's KL and every other variant's ratio to it, news / docs (docs/llm.md)."""
+    idx = {(r["size"], r["bits"], r["variant"]): r for r in abl}
+    others = [v for v in VARIANTS if v not in ("rtn", "ldlq")
+              and any(k[2] == v for k in idx)]
+    print("\n| tokens | bits | LDLQ KL ± s.e. (news / docs) | " + " | ".join(others) + " |")
+    print("|---|---|---|" + "---|" * len(others))
+    for N, b in sorted({(k[0], k[1]) for k in idx}):
+        L = idx.get((N, b, "ldlq"))
+        if L is None:
+            continue
+        cells = [f"{L['lee_kl']:.3f} ± {L['lee_kl_text_sem']:.3f} / "
+                 f"{L['docs_kl']:.3f} ± {L['docs_kl_text_sem']:.3f}"]
+        for v in others:
+            r = idx.get((N, b, v))
+            cells.append("" if r is None else f"{r['lee_kl'] / L['lee_kl']:.2f} / "
+                                              f"{r['docs_kl'] / L['docs_kl']:.2f}")
+        print(f"| {N // 1024}k | {b} | " + " | ".join(cells) + " |")
 
 
 def _plot(abl, path):
@@ -519,6 +609,8 @@ def main(argv=None):
     r = sub.add_parser("report")
     r.add_argument("results", nargs="+")
     r.add_argument("--plot", default=None, help="PNG of KL against calibration tokens")
+    r.add_argument("--page", default=None, help="write the throughput page (markdown) here")
+    r.add_argument("--date", default=None, help="the measurement's date on the page")
     args = p.parse_args(argv)
     try:
         {"throughput": throughput, "scale": scale, "report": report}[args.cmd](args)
