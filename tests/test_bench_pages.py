@@ -39,6 +39,8 @@ def test_write_section_new_page_and_keeps_the_rest(tmp_path):
 def test_page_command_leaves_out_the_output_folder():
     assert _page.page_command("python -m x --a 1 --out /tmp/r --b") == "python -m x --a 1 --b"
     assert _page.page_command("python -m x --out=/tmp/r --b 'a b'") == "python -m x --b 'a b'"
+    assert _page.page_command("python -m x --pytest-log /scratch/r/pytest.log --l=/a/b.txt") \
+        == "python -m x --pytest-log pytest.log --l=b.txt"
 
 
 def _section(text: str, key: str) -> str:

@@ -56,16 +56,25 @@ def write_section(path, key: str, text: str, *, title: str) -> str:
 
 def page_command(command: str) -> str:
     """A run's command as its page shows it: without ``--out DIR`` (where this copy of the
-    page went is no part of how to reproduce it)."""
+    page went is no part of how to reproduce it) and with every absolute path of an argument
+    cut to its file name (``--pytest-log /scratch/run/pytest.log``: ``pytest.log``), so that
+    no machine's folders appear on the page."""
     import shlex
 
-    words = shlex.split(command)
+    def short(word: str) -> str:
+        if word.startswith("/"):
+            return os.path.basename(word.rstrip("/")) or word
+        if word.startswith("--") and "=/" in word:
+            opt, value = word.split("=", 1)
+            return f"{opt}={short(value)}"
+        return word
+
     keep, skip = [], False
-    for w in words:
+    for w in shlex.split(command):
         if skip:
             skip = False
         elif w == "--out":
             skip = True
         elif not w.startswith("--out="):
-            keep.append(w)
+            keep.append(short(w))
     return " ".join(shlex.quote(w) for w in keep)
