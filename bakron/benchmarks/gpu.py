@@ -391,9 +391,10 @@ def _wrap(block: str) -> str:
     images as they are)."""
     if block.startswith(("|", "#", "`", "!", "(")) and not block.startswith("(Negative"):
         return block
+    start = "\n" if block.startswith("\n") else ""
     end = "\n" if block.endswith("\n") else ""
-    return textwrap.fill(block.strip(), 95, break_long_words=False,
-                         break_on_hyphens=False) + end
+    return start + textwrap.fill(block.strip(), 95, break_long_words=False,
+                                 break_on_hyphens=False) + end
 
 
 def write_page(data: dict, out) -> str:
