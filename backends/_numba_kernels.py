@@ -17,17 +17,21 @@ Conventions
 
 Arguments
 ---------
-The kernels take their arguments positionally, always in these groups and this order
-(``numba_cpu._Operands`` prepares them; named tuples were tried and dropped: numba's on-disk
-cache crashed when a new process reloaded kernels compiled with them):
-
-* the problem and offsets: ``W, F, useF`` (``F``, the feedback a block received from outside,
-  is read only when ``useF``), the factors ``AO`` (a 1 x 1 placeholder one-sided) and ``AI``;
-* the outputs: ``Wq, codes, T, useT`` (targets written only when ``useT``), and where a
-  block's errors go: ``FE, writeE``;
-* the block and the tile: element ranges ``R0, R1, C0, C1``, tile ``tx, ty``;
-* the quantizer's scalar grid, always last: ``s_tab, z_tab, gs, lo, hi, sym`` (scale and
-  zero-point tables, group size, code range in the working dtype, symmetric).
+The kernels take arrays, then the quantizer's tables ``s_tab, z_tab`` (scales and zero
+points, working dtype), then one int64 *parameter vector* ``prm`` (``PRM`` fields ``P_*``,
+built by ``params``) with every scalar of a solve: the flag bits ``P_FLAGS`` (``HAS_F``,
+``WRITE_E``, ``TWO_SIDED``, ``ASYM``, ``HAS_T``, ``BLAS1``), the tile, the quantizer's group
+size and code range, the triangular products' panel width. Each kernel unpacks what it
+reads at its top. The arrays come in this order: the problem ``W``, the offsets ``F`` a
+block received from outside (read only with ``HAS_F``), the factors ``AO`` (a 1 x 1
+placeholder one-sided) and ``AI``, the outputs ``Wq, codes, T`` (targets written only with
+``HAS_T``), where a block's errors go, ``FE`` (written only with ``WRITE_E``), and scratch.
+What a call covers comes last: a block's element ranges ``R0, R1, C0, C1``, or the range of
+a step's rows in a table. ``numba_cpu._Operands`` prepares the arrays. (Named tuples were
+tried for the scalars and dropped: numba's on-disk cache crashed when a new process reloaded
+kernels compiled with them. The ``P_*`` constants are defined here, not in a module of their
+own, because numba's cache is keyed on this file alone: a constant changed elsewhere would
+leave stale compiled kernels.)
 """
 from __future__ import annotations
 
@@ -40,6 +44,34 @@ from llvmlite import binding as _llvm
 from numba import cfunc, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+# ---------------------------------------------------------------------------------------
+# the parameter vector ``prm`` (int64) of every kernel
+# ---------------------------------------------------------------------------------------
+#: flag bits of ``prm[P_FLAGS]``: the blocks' targets include offsets ``F`` received from
+#: outside the block; a block writes its errors to ``FE``; two-sided problem (``AO`` given);
+#: asymmetric grid (zero points); record every target into ``T``; BLAS is set to one thread
+#: (``numba_cpu._blas_on_one_thread``: a gather or scatter piece is one BLAS call)
+HAS_F, WRITE_E, TWO_SIDED, ASYM, HAS_T, BLAS1 = 1, 2, 4, 8, 16, 32
+#: fields of ``prm``: the flag bits, the tile ``tx x ty``, the quantizer's group size and code
+#: range ``lo .. hi`` (integers; the kernels use them in the working dtype), the panel width
+#: of the triangular products (``NumbaOptions.panel``)
+(P_FLAGS, P_TX, P_TY, P_GSZ, P_LO, P_HI, P_PANEL) = range(7)
+#: length of ``prm``
+PRM = 7
+
+
+def params(*, flags: int, tile: tuple[int, int], group_size: int, code_range: tuple[int, int],
+           panel: int = 0) -> np.ndarray:
+    """The parameter vector ``prm`` of a solve (``PRM`` int64 in field order)."""
+    prm = np.zeros(PRM, np.int64)
+    prm[P_FLAGS] = flags
+    prm[P_TX], prm[P_TY] = tile
+    prm[P_GSZ] = group_size
+    prm[P_LO], prm[P_HI] = code_range
+    prm[P_PANEL] = panel
+    return prm
+
 
 # int numba_xxgemm(kind, transa, transb, m, n, k, *alpha, *a, lda, *b, ldb, *beta, *c, ldc)
 # (column-major, like BLAS); resolved by name in numba's helper library.
@@ -296,17 +328,28 @@ def _quant(t, i, j, s_tab, z_tab, gs, lo, hi, sym):
     return s * (c - z), c
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _grid(prm, like):
+    """The scalar grid of ``prm`` for ``_quant``: group size, code range in the dtype of the
+    array ``like``, symmetric."""
+    return (prm[P_GSZ], like.dtype.type(prm[P_LO]), like.dtype.type(prm[P_HI]),
+            (prm[P_FLAGS] & ASYM) == 0)
+
+
 # ---------------------------------------------------------------------------------------
 # base blocks
 # ---------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, inline="always")
-def _row_tile(W, F, useF, P, usep, AI, Wq, codes, T, useT, E, er0, gr0, h, C0, Sc, ty,
-              s_tab, z_tab, gs, lo, hi, sym):
+def _row_tile(W, F, P, usep, AI, Wq, codes, T, E, er0, gr0, h, C0, Sc, s_tab, z_tab, prm):
     """Round rows ``gr0 .. gr0+h`` of W over columns ``[C0, C0+Sc)`` (one row tile of a
     block): column tiles right to left, targets ``W + F + P + (P + E) A_I`` where ``P[:h]``
     (when ``usep``) is the feedback from the rows below before ``G_I``, and ``E`` the row
     tile's own errors (written to ``E[er0 + i, :]``). Loops are ordered so that the inner
     ones are unit-stride updates that vectorise without reassociation."""
+    useF = (prm[P_FLAGS] & HAS_F) != 0
+    useT = (prm[P_FLAGS] & HAS_T) != 0
+    ty = prm[P_TY]
+    gs, lo, hi, sym = _grid(prm, W)
     Z = np.empty((h, Sc), W.dtype)
     for i in range(h):
         wr = W[gr0 + i, C0:C0 + Sc]
@@ -349,38 +392,35 @@ def _row_tile(W, F, useF, P, usep, AI, Wq, codes, T, useT, E, er0, gr0, h, C0, S
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
-                        tx, ty, s_tab, z_tab, gs, lo, hi, sym):
+def _one_sided_row_tile(W, F, AI, Wq, codes, T, FE, s_tab, z_tab, prm, R0, R1, C0, C1, a):
+    tx = prm[P_TX]
     Sc = C1 - C0
     r0 = R0 + a * tx
     h = min(r0 + tx, R1) - r0
     E = np.empty((h, Sc), W.dtype)
-    _row_tile(W, F, useF, E, False, AI, Wq, codes, T, useT, E, 0, r0, h, C0, Sc, ty,
-              s_tab, z_tab, gs, lo, hi, sym)
-    if writeE:
+    _row_tile(W, F, E, False, AI, Wq, codes, T, E, 0, r0, h, C0, Sc, s_tab, z_tab, prm)
+    if (prm[P_FLAGS] & WRITE_E) != 0:
         for i in range(h):
             FE[r0 + i, C0:C1] = E[i]
 
 
 @njit(cache=True, nogil=True)
-def base_one_sided(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
-                   s_tab, z_tab, gs, lo, hi, sym):
+def base_one_sided(W, F, AI, Wq, codes, T, FE, s_tab, z_tab, prm, R0, R1, C0, C1):
     """One-sided block ``[R0, R1) x [C0, C1)``: targets ``W + F + E A_I`` inside the block,
-    row tiles independent. With ``writeE`` the block's errors are written to ``FE`` (which
+    row tiles independent. With ``WRITE_E`` the block's errors are written to ``FE`` (which
     may be ``F`` itself: each row reads its F before). Serial (see ``base_one_sided_par``)."""
+    tx = prm[P_TX]
     for a in range((R1 - R0 + tx - 1) // tx):
-        _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
-                            tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+        _one_sided_row_tile(W, F, AI, Wq, codes, T, FE, s_tab, z_tab, prm, R0, R1, C0, C1, a)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def base_one_sided_par(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
-                       s_tab, z_tab, gs, lo, hi, sym):
+def base_one_sided_par(W, F, AI, Wq, codes, T, FE, s_tab, z_tab, prm, R0, R1, C0, C1):
     """``base_one_sided`` with the row tiles in parallel (prange): used for blocks with
     enough work to amortise a parallel region on a shared machine (``PAR_MIN_WORK``)."""
+    tx = prm[P_TX]
     for a in prange((R1 - R0 + tx - 1) // tx):
-        _one_sided_row_tile(W, F, useF, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, a,
-                            tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+        _one_sided_row_tile(W, F, AI, Wq, codes, T, FE, s_tab, z_tab, prm, R0, R1, C0, C1, a)
 
 
 #: one-sided blocks with at least this many multiply-adds (rows x cols^2 / 2) run their row
@@ -390,8 +430,7 @@ PAR_MIN_WORK = 1 << 26
 
 
 @njit(cache=True, nogil=True)
-def base_two_sided(W, F, useF, AO, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C0, C1, tx, ty,
-                   s_tab, z_tab, gs, lo, hi, sym):
+def base_two_sided(W, F, AO, AI, Wq, codes, T, FE, s_tab, z_tab, prm, R0, R1, C0, C1):
     """Two-sided block ``[R0, R1) x [C0, C1)`` with targets ``W + F + (feedback inside)``.
 
     Row tiles bottom-up (a dominance-respecting order): the errors of the rows below reach
@@ -400,6 +439,8 @@ def base_two_sided(W, F, useF, AO, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C
     a one-sided sweep right to left with in-row feedback ``(P + E_a) A_I``. Serial: it runs
     between multi-threaded BLAS calls, and tiny parallel regions cost more than they save.
     """
+    tx = prm[P_TX]
+    writeE = (prm[P_FLAGS] & WRITE_E) != 0
     Sr = R1 - R0
     Sc = C1 - C0
     m = W.shape[0]
@@ -413,8 +454,7 @@ def base_two_sided(W, F, useF, AO, AI, Wq, codes, T, useT, FE, writeE, R0, R1, C
         # P[h x Sc] = A_O[R0+r1:R1, R0+r0:R0+r1]^T @ E[r1:Sr, :]
         gemm_serial(P, 0, Sc, AO, (R0 + r1) * m + R0 + r0, m, True, E, r1 * Sc, Sc, False,
                     h, Sc, Sr - r1, 0.0)
-        _row_tile(W, F, useF, P, True, AI, Wq, codes, T, useT, E, r0, R0 + r0, h, C0, Sc, ty,
-                  s_tab, z_tab, gs, lo, hi, sym)
+        _row_tile(W, F, P, True, AI, Wq, codes, T, E, r0, R0 + r0, h, C0, Sc, s_tab, z_tab, prm)
         if writeE:
             for i in range(h):
                 FE[R0 + r0 + i, C0:C1] = E[r0 + i]
@@ -429,11 +469,12 @@ OP_LEAF, OP_AFTER_D, OP_AFTER_BC, OP_AFTER_RIGHT, OP_AFTER_BOTTOM = 0, 1, 2, 3, 
 
 
 @njit(cache=True, nogil=True)
-def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, panel,
-             s_tab, z_tab, gs, lo, hi, sym):
+def run_plan(plan, W, FE, AO, AI, Wq, codes, T, buf, s_tab, z_tab, prm):
     """Execute the recursion's op table (``numba_cpu.op_table``). ``FE`` holds the offsets F of
-    unsolved blocks and the errors E = W - Wq of solved ones; ``buf`` is the scratch space
-    (per-level offsets in the plan)."""
+    unsolved blocks and the errors E = W - Wq of solved ones (``prm``: ``HAS_F | WRITE_E``);
+    ``buf`` is the scratch space (per-level offsets in the plan)."""
+    two_sided = (prm[P_FLAGS] & TWO_SIDED) != 0
+    panel = prm[P_PANEL]
     m, n = W.shape
     for q in range(plan.shape[0]):
         op = plan[q, 0]
@@ -442,14 +483,11 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
         o = plan[q, 7]
         if op == OP_LEAF:
             if two_sided:
-                base_two_sided(W, FE, True, AO, AI, Wq, codes, T, useT, FE, True,
-                               r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+                base_two_sided(W, FE, AO, AI, Wq, codes, T, FE, s_tab, z_tab, prm, r0, r1, c0, c1)
             elif (r1 - r0) * (c1 - c0) * (c1 - c0) >= 2 * PAR_MIN_WORK:
-                base_one_sided_par(W, FE, True, AI, Wq, codes, T, useT, FE, True,
-                                   r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+                base_one_sided_par(W, FE, AI, Wq, codes, T, FE, s_tab, z_tab, prm, r0, r1, c0, c1)
             else:
-                base_one_sided(W, FE, True, AI, Wq, codes, T, useT, FE, True,
-                               r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+                base_one_sided(W, FE, AI, Wq, codes, T, FE, s_tab, z_tab, prm, r0, r1, c0, c1)
         elif op == OP_AFTER_D:
             hB, hD, wA, wB = r_ - r0, r1 - r_, c_ - c0, c1 - c_
             # F_B += A_O[R2,R1]^T (E_D G_I[C2,C2])
@@ -499,21 +537,20 @@ def run_plan(plan, W, FE, AO, AI, two_sided, Wq, codes, T, useT, buf, tx, ty, pa
 # the two-level wavefront: the coarse steps of bakron.solvers.schedule.two_level
 # ---------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
-def solve_blocks(tasks, t0, t1, W, FE, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
-                 s_tab, z_tab, gs, lo, hi, sym):
+def solve_blocks(tasks, W, FE, AO, AI, Wq, codes, T, s_tab, z_tab, prm, t0, t1):
     """Solve the blocks ``tasks[t0:t1]`` (rows ``[r0, r1, c0, c1]``, elements) of one coarse
     step in parallel (prange), each with the base-block kernel on one thread (its small
     products single-threaded, ``gemm_serial``). A block reads its offsets from ``FE`` and
-    overwrites them with its errors; blocks of one step are disjoint."""
+    overwrites them with its errors (``prm``: ``HAS_F | WRITE_E``); blocks of one step are
+    disjoint."""
+    two_sided = (prm[P_FLAGS] & TWO_SIDED) != 0
     for k in prange(t1 - t0):
         r0, r1 = tasks[t0 + k, 0], tasks[t0 + k, 1]
         c0, c1 = tasks[t0 + k, 2], tasks[t0 + k, 3]
         if two_sided:
-            base_two_sided(W, FE, True, AO, AI, Wq, codes, T, useT, FE, True,
-                           r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+            base_two_sided(W, FE, AO, AI, Wq, codes, T, FE, s_tab, z_tab, prm, r0, r1, c0, c1)
         else:
-            base_one_sided(W, FE, True, AI, Wq, codes, T, useT, FE, True,
-                           r0, r1, c0, c1, tx, ty, s_tab, z_tab, gs, lo, hi, sym)
+            base_one_sided(W, FE, AI, Wq, codes, T, FE, s_tab, z_tab, prm, r0, r1, c0, c1)
 
 
 #: Rows per task of the wavefront's scatters: each block's product is cut into row pieces of
@@ -546,11 +583,12 @@ def _piece_starts(counts):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def gather_products(gp, p0, p1, gt, blas1, SRC, AI, part):
+def gather_products(gp, gt, SRC, AI, part, prm, p0, p1):
     """The partial products of one step's gathers, ``gp[p0:p1]`` (``numba_cpu.gather_table``:
     target, ``k0``, ``k1``, offset in ``part``), in parallel (prange), each one
     single-threaded BLAS call: ``part[piece] = SRC[r0:r1, k0:k1] A_I[k0:k1, c0:c1]`` for the
     rows ``[r0, r1, c0, c1]`` of its target ``gt``."""
+    blas1 = (prm[P_FLAGS] & BLAS1) != 0
     n = AI.shape[0]
     for p in prange(p1 - p0):
         t, k0, k1, off = gp[p0 + p, 0], gp[p0 + p, 1], gp[p0 + p, 2], gp[p0 + p, 3]
@@ -560,10 +598,12 @@ def gather_products(gp, p0, p1, gt, blas1, SRC, AI, part):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def gather_sums(gt, t0, t1, gp, FE, Y, addY, part):
+def gather_sums(gt, gp, FE, Y, part, prm, t0, t1):
     """The offsets of one step's gather targets ``gt[t0:t1]`` (``[r0, r1, c0, c1, q0, q1]``):
     ``FE[r0:r1, c0:c1] = Y[r0:r1, c0:c1] + part[q0] + ... + part[q1 - 1]`` (without ``Y``
-    unless ``addY``), summed in this order on any number of threads (prange over targets)."""
+    unless ``TWO_SIDED``), summed in this order on any number of threads (prange over
+    targets)."""
+    addY = (prm[P_FLAGS] & TWO_SIDED) != 0
     for k in prange(t1 - t0):
         t = t0 + k
         r0, r1, c0, c1 = gt[t, 0], gt[t, 1], gt[t, 2], gt[t, 3]
@@ -578,11 +618,12 @@ def gather_sums(gt, t0, t1, gp, FE, Y, addY, part):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def scatter_two_sided(tasks, t0, t1, blas1, FE, Y, AO):
+def scatter_two_sided(tasks, FE, Y, AO, prm, t0, t1):
     """Push the errors of the solved blocks ``tasks[t0:t1]`` into the accumulator:
     ``Y[:r1, cB] += G_O[A, :r1]^T E_AB`` (the GEMM, then the identity on the rows of ``A``),
     in row pieces of ``Y`` (prange, single-threaded BLAS). Blocks of a step have disjoint
     columns, pieces of a block disjoint rows."""
+    blas1 = (prm[P_FLAGS] & BLAS1) != 0
     m = AO.shape[0]
     n = FE.shape[1]
     counts = np.empty(t1 - t0, np.int64)
@@ -603,28 +644,28 @@ def scatter_two_sided(tasks, t0, t1, blas1, FE, Y, AO):
 
 
 @njit(cache=True, nogil=True)
-def run_wavefront(tasks, steps, gt, gsteps, gp, psteps, part, blas1, W, FE, Y, AO, AI,
-                  two_sided, Wq, codes, T, useT, tx, ty, s_tab, z_tab, gs, lo, hi, sym):
+def run_wavefront(tasks, steps, gt, gsteps, gp, psteps, W, FE, Y, AO, AI, Wq, codes, T, part,
+                  s_tab, z_tab, prm):
     """Execute the two-level wavefront (``numba_cpu.wavefront_table``): step ``s`` is the
     blocks ``tasks[steps[s]:steps[s + 1]]``. Per step, parallel regions on numba's threads:
     gather the offsets (the partial products ``gp[psteps[s]:psteps[s + 1]]`` into ``part``,
     then their sums into the targets ``gt[gsteps[s]:gsteps[s + 1]]``:
     ``numba_cpu.gather_table``), solve the blocks, scatter their errors (row pieces of
-    ``Y``). Every product is single-threaded BLAS (``blas1``: BLAS is set to one thread).
+    ``Y``). Every product is single-threaded BLAS (``BLAS1``: BLAS is set to one thread).
     ``FE`` (zero on entry) holds the offsets, then the errors; two-sided ``Y`` (zero on
     entry) is the accumulator ``G_O^T Ẽ``, and the gathers read ``Y``; one-sided they read
     the errors to the right in ``FE``."""
+    two_sided = (prm[P_FLAGS] & TWO_SIDED) != 0
     ns = steps.shape[0] - 1
     SRC = Y if two_sided else FE
     for s in range(ns):
         t0, t1 = steps[s], steps[s + 1]
         if gsteps[s + 1] > gsteps[s]:
-            gather_products(gp, psteps[s], psteps[s + 1], gt, blas1, SRC, AI, part)
-            gather_sums(gt, gsteps[s], gsteps[s + 1], gp, FE, Y, two_sided, part)
-        solve_blocks(tasks, t0, t1, W, FE, AO, AI, two_sided, Wq, codes, T, useT, tx, ty,
-                     s_tab, z_tab, gs, lo, hi, sym)
+            gather_products(gp, gt, SRC, AI, part, prm, psteps[s], psteps[s + 1])
+            gather_sums(gt, gp, FE, Y, part, prm, gsteps[s], gsteps[s + 1])
+        solve_blocks(tasks, W, FE, AO, AI, Wq, codes, T, s_tab, z_tab, prm, t0, t1)
         if two_sided and s < ns - 1:
-            scatter_two_sided(tasks, t0, t1, blas1, FE, Y, AO)
+            scatter_two_sided(tasks, FE, Y, AO, prm, t0, t1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -688,9 +729,12 @@ def count_nonfinite(X, chunks):
 # anti-diagonal solvers (the baselines), whole matrix
 # ---------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, inline="always")
-def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
-              s_tab, z_tab, gs, lo, hi, sym):
+def _acc_tile(W, F, AO, AI, Wq, codes, T, Y, s_tab, z_tab, prm, a, b):
     """One tile of the accumulator wavefront: target, rounding, and its ``Y`` update."""
+    useF = (prm[P_FLAGS] & HAS_F) != 0
+    useT = (prm[P_FLAGS] & HAS_T) != 0
+    tx, ty = prm[P_TX], prm[P_TY]
+    gs, lo, hi, sym = _grid(prm, W)
     m, n = W.shape
     r0 = a * tx
     r1 = min(r0 + tx, m)
@@ -723,8 +767,7 @@ def _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, b, tx, ty,
 
 
 @njit(cache=True, nogil=True)
-def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, Y, tx, ty,
-                             s_tab, z_tab, gs, lo, hi, sym):
+def antidiagonal_accumulator(W, F, AO, AI, Wq, codes, T, Y, s_tab, z_tab, prm):
     """Two-sided anti-diagonal wavefront with the accumulator ``Y = G_O^T Ẽ``
     (docs/algorithm.md): the steps of ``schedule.tile_wavefront``, one per anti-diagonal;
     each tile fuses its target ``W + F + Y[a, >=b] G_I[>=b, b]`` (a small BLAS product), its
@@ -733,23 +776,28 @@ def antidiagonal_accumulator(W, F, useF, AO, AI, Wq, codes, T, useT, Y, tx, ty,
     could run in parallel; on the CPU the tiles of a diagonal run one after the other, as
     a prange over them measured slower (thread hand-offs per diagonal, and BLAS calls from
     worker threads contend with BLAS's own threads; docs/engines.md)."""
+    tx, ty = prm[P_TX], prm[P_TY]
     m, n = W.shape
     M = (m + tx - 1) // tx
     N = (n + ty - 1) // ty
     Y[:, :] = 0.0
     for s in range(M + N - 2, -1, -1):
         for a in range(max(0, s - N + 1), min(M - 1, s) + 1):
-            _acc_tile(W, F, useF, AO, AI, Wq, codes, T, useT, Y, a, s - a, tx, ty,
-                      s_tab, z_tab, gs, lo, hi, sym)
+            _acc_tile(W, F, AO, AI, Wq, codes, T, Y, s_tab, z_tab, prm, a, s - a)
 
 
 @njit(cache=True, nogil=True)
-def antidiagonal_direct(W, F, useF, AO, AI, two_sided, Wq, codes, T, useT, E, tx, ty,
-                        s_tab, z_tab, gs, lo, hi, sym):
+def antidiagonal_direct(W, F, AO, AI, Wq, codes, T, E, s_tab, z_tab, prm):
     """Anti-diagonal wavefront with every target from (1) over its dominating region:
     ``T_ab = W_ab + G_O[>=a, a]^T (E[>=a, >=b] G_I[>=b, b])`` by two BLAS products per tile
     (``O(m^2 n^2 / t)`` work: the baseline published speed-ups are quoted against).
     One-sided: one product per column of tiles."""
+    flags = prm[P_FLAGS]
+    useF = (flags & HAS_F) != 0
+    useT = (flags & HAS_T) != 0
+    two_sided = (flags & TWO_SIDED) != 0
+    tx, ty = prm[P_TX], prm[P_TY]
+    gs, lo, hi, sym = _grid(prm, W)
     m, n = W.shape
     M = (m + tx - 1) // tx
     N = (n + ty - 1) // ty

@@ -125,17 +125,25 @@ class _Operands:
         self.record_targets = p.record_targets
         self.T = np.empty((p.m, p.n), dtype=dt) if p.record_targets else self.dummy
         q = p.quantizer
+        self.quantizer = q
+        self.tile = (p.tx, p.ty)
         s, z = q.tables(np, "cpu", dt)
         self.s = np.ascontiguousarray(s)
         self.z = self.dummy if z is None else np.ascontiguousarray(z)
-        self.gs = q.group_size or 1
-        lo, hi = q.code_range
-        self.lo, self.hi = dt.type(lo), dt.type(hi)
-        self.sym = q.symmetric
 
-    def grid(self):
-        """The scalar grid's arguments: scales, zero points, group size, code range, symmetry."""
-        return self.s, self.z, self.gs, self.lo, self.hi, self.sym
+    def tables(self):
+        """The quantizer's tables: scales, zero points (a placeholder when symmetric)."""
+        return self.s, self.z
+
+    def params(self, flags: int = 0, panel: int = 0):
+        """The kernels' parameter vector ``prm`` (``_numba_kernels.params``) of this solve,
+        with ``flags`` besides those of the problem (two-sided, asymmetric grid, targets)."""
+        K = _kernels()
+        q = self.quantizer
+        flags |= (K.TWO_SIDED if self.AO is not None else 0) | \
+            (0 if q.symmetric else K.ASYM) | (K.HAS_T if self.record_targets else 0)
+        return K.params(flags=flags, tile=self.tile, group_size=q.group_size or 1,
+                        code_range=q.code_range, panel=panel)
 
     def result(self) -> EngineResult:
         return EngineResult(values=self.Wq, codes=self.codes,
@@ -286,19 +294,20 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
     two = io.AO is not None
     AO = io.AO if two else io.dummy
     if method == "antidiagonal":
+        prm = io.params()
         if variant == "direct":
             E = np.empty((p.m, p.n), dtype=io.dtype)     # the errors, kept in full
-            K.antidiagonal_direct(io.W, io.dummy, False, AO, io.AI, two, io.Wq, io.codes, io.T,
-                                  io.record_targets, E, p.tx, p.ty, *io.grid())
+            K.antidiagonal_direct(io.W, io.dummy, AO, io.AI, io.Wq, io.codes, io.T, E,
+                                  *io.tables(), prm)
         elif two:
             Y = np.empty((p.m, p.n), dtype=io.dtype)     # the accumulator G_O^T Ẽ
-            K.antidiagonal_accumulator(io.W, io.dummy, False, AO, io.AI, io.Wq, io.codes, io.T,
-                                       io.record_targets, Y, p.tx, p.ty, *io.grid())
+            K.antidiagonal_accumulator(io.W, io.dummy, AO, io.AI, io.Wq, io.codes, io.T, Y,
+                                       *io.tables(), prm)
         else:  # one-sided accumulator: the column sweep, row tiles in parallel if it pays
             block = K.base_one_sided_par if p.m * p.n * p.n >= 2 * K.PAR_MIN_WORK else \
                 K.base_one_sided
-            block(io.W, io.dummy, False, io.AI, io.Wq, io.codes, io.T, io.record_targets,
-                  io.dummy, False, 0, p.m, 0, p.n, p.tx, p.ty, *io.grid())
+            block(io.W, io.dummy, io.AI, io.Wq, io.codes, io.T, io.dummy, *io.tables(), prm,
+                  0, p.m, 0, p.n)
         return io.result()
     if method == "wavefront":
         tasks, steps, gt, gsteps, gp, psteps, size = _cached_wavefront(
@@ -307,9 +316,9 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
         Y = np.zeros((p.m, p.n), dtype=io.dtype) if two else io.dummy  # G_O^T Ẽ
         part = np.empty(size, dtype=io.dtype)      # the gathers' partial products
         with _blas_on_one_thread() as blas1:
-            K.run_wavefront(tasks, steps, gt, gsteps, gp, psteps, part, blas1, io.W, FE, Y,
-                            AO, io.AI, two, io.Wq, io.codes, io.T, io.record_targets, p.tx,
-                            p.ty, *io.grid())
+            prm = io.params(K.HAS_F | K.WRITE_E | (K.BLAS1 if blas1 else 0))
+            K.run_wavefront(tasks, steps, gt, gsteps, gp, psteps, io.W, FE, Y, AO, io.AI,
+                            io.Wq, io.codes, io.T, part, *io.tables(), prm)
         out = io.result()
         out.info.update(coarse_steps=int(steps.shape[0] - 1), blocks=int(tasks.shape[0]),
                         numba_threads=numba_threads(), threading_layer=threading_layer())
@@ -317,8 +326,8 @@ def _run(p, method: str, base: int, variant: str) -> EngineResult:
     ops, scratch = _cached_table(p.m, p.n, p.tx, p.ty, int(base), two)
     FE = np.zeros((p.m, p.n), dtype=io.dtype)  # offsets F of unsolved blocks, errors E of solved
     buf = np.empty(max(scratch, 1), dtype=io.dtype)
-    K.run_plan(ops, io.W, FE, AO, io.AI, two, io.Wq, io.codes, io.T, io.record_targets, buf,
-               p.tx, p.ty, opts.panel, *io.grid())
+    K.run_plan(ops, io.W, FE, AO, io.AI, io.Wq, io.codes, io.T, buf, *io.tables(),
+               io.params(K.HAS_F | K.WRITE_E, panel=opts.panel))
     return io.result()
 
 

@@ -39,6 +39,8 @@ import time
 
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
                "MKL_NUM_THREADS")
+#: ``--clock``: what a timed call measures
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 KINDS = {"floor": None, "rec": "recursive", "wave": "wavefront", "anti": "antidiagonal",
          "auto": "auto", "stack": "auto", "floor1": None, "rec1": "recursive",
          "wave1": "wavefront"}
@@ -117,7 +119,7 @@ def _factor(rng, size, block):
     return bakron.prepare_factor(X @ X.T / X.shape[1], block).A.astype(np.float32)
 
 
-def child(case: dict, tree: str, cores: list[int], inner: int) -> dict:
+def child(case: dict, tree: str, cores: list[int], inner: int, clock: str = "wall") -> dict:
     """Time ``case`` with the bakron of ``tree`` (run in a fresh process)."""
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
@@ -163,11 +165,12 @@ def child(case: dict, tree: str, cores: list[int], inner: int) -> dict:
         fn()  # compile / load the cache, first-touch the buffers
     except ValueError as exc:  # this tree's engine lacks the method
         return {"seconds": None, "error": str(exc).split(";")[0], "info": info}
+    now = CLOCKS[clock]
     ts = []
     for _ in range(inner):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(now() - t0)
     return {"seconds": statistics.median(ts), "runs": ts, "info": info,
             "numba_threads": numba.get_num_threads(),
             "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -185,7 +188,8 @@ def parse_env(items: list[str]) -> dict:
 
 
 def run_point(case: dict, tree: str, threads: int, cpus: list[int], inner: int,
-              python: str = sys.executable, extra_env: dict | None = None) -> dict:
+              python: str = sys.executable, extra_env: dict | None = None,
+              clock: str = "wall") -> dict:
     """One fresh process for (tree, threads, case); its result dict."""
     tree = os.path.abspath(tree)
     # the tree first; the caller's PYTHONPATH after it (packages installed with --target)
@@ -195,7 +199,7 @@ def run_point(case: dict, tree: str, threads: int, cpus: list[int], inner: int,
     env.update(extra_env or {})  # --env wins, e.g. OPENBLAS_NUM_THREADS=1
     cores = cpus[:threads]
     cmd = [python, os.path.abspath(__file__), "--_child", json.dumps(case), "--_tree", tree,
-           "--_cores", ",".join(map(str, cores)), "--inner", str(inner)]
+           "--_cores", ",".join(map(str, cores)), "--inner", str(inner), "--clock", clock]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"point {case['name']} threads={threads} tree={tree} failed:\n"
@@ -204,7 +208,8 @@ def run_point(case: dict, tree: str, threads: int, cpus: list[int], inner: int,
 
 
 def run_ab(trees: dict, cases: list[dict], threads: list[int], cpus: list[int], rounds: int,
-           inner: int, log=print, extra_env: dict | None = None) -> list[dict]:
+           inner: int, log=print, extra_env: dict | None = None,
+           clock: str = "wall") -> list[dict]:
     """Every point of every round, old and new back to back (order alternating by round)."""
     rows = []
     names = list(trees)
@@ -219,7 +224,7 @@ def run_ab(trees: dict, cases: list[dict], threads: list[int], cpus: list[int], 
             for case in cases:
                 for label in order:
                     res = run_point(case, trees[label], t, cpus, inner,
-                                    extra_env=extra_env)
+                                    extra_env=extra_env, clock=clock)
                     rows.append(dict(res, round=r, tree=label, threads=t, case=case["name"]))
                     s = res["seconds"]
                     log(f"round {r} {label:>3} t={t:<3} {case['name']:<18} "
@@ -276,6 +281,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of every point (repeatable), e.g. "
                     "OMP_WAIT_POLICY=PASSIVE")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: elapsed time; thread: CPU time of the calling thread "
+                    "(time.thread_time), which waiting for a core does not count: for "
+                    "--threads 1 on a busy machine (with more threads it misses the workers')")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     ap.add_argument("--_tree", help=argparse.SUPPRESS)
     ap.add_argument("--_cores", help=argparse.SUPPRESS)
@@ -286,7 +295,8 @@ def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     if args._child is not None:
-        res = child(json.loads(args._child), args._tree, parse_cpus(args._cores), args.inner)
+        res = child(json.loads(args._child), args._tree, parse_cpus(args._cores), args.inner,
+                    args.clock)
         print(json.dumps(res))
         return 0
     if not args.old or not args.new:
@@ -302,7 +312,8 @@ def main(argv=None) -> int:
         ap.error(str(exc))
     trees = {"old": args.old, "new": args.new}
     rows = run_ab(trees, cases, threads, cpus, args.rounds, args.inner,
-                  log=lambda s: print(s, file=sys.stderr, flush=True), extra_env=extra_env)
+                  log=lambda s: print(s, file=sys.stderr, flush=True), extra_env=extra_env,
+                  clock=args.clock)
     summary = summarize(rows, cases, threads, list(trees))
     print(table(summary))
     if args.json:
@@ -310,7 +321,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"command": " ".join(sys.argv), "trees": trees, "cpus": cpus,
                        "threads": threads, "rounds": args.rounds, "inner": args.inner,
-                       "env": extra_env,
+                       "env": extra_env, "clock": args.clock,
                        "rows": rows, "summary": summary}, fh, indent=1)
     return 0
 

@@ -28,13 +28,13 @@ def test_quick_thread_scaling_run_writes_a_table_that_parses(tmp_path):
     p = subprocess.run([sys.executable, "-m", "bakron.bench", "--threads", "1,2", "--quick",
                         "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
-    md = (out / "cpu-threads.md").read_text()
-    assert "Command: `python -m bakron.bench --threads 1,2 --quick --out " in md
+    md = (out / "cpu.md").read_text()
+    assert "```bash\npython -m bakron.bench --threads 1,2 --quick\n```" in md  # --out left out
     rows = cpu.parse_threads_table(md)
     methods = {cpu._method_label(m, v) for m, v in cpu.cpu_methods()}
     want = {(t, n, m) for t in (1, 2) for n in cpu.THREAD_QUICK_SIZES for m in methods}
     assert {(r["threads"], r["size"], r["method"]) for r in rows} == want
-    data = json.loads((out / "cpu-threads.json").read_text())
+    data = json.loads((out / "data" / "cpu-threads.json").read_text())
     raw = {(r["threads"], r["size"], r["method"]): r for d in data["processes"]
            for r in d["rows"]}
     for r in rows:  # the table is the measured rows, rounded
@@ -75,6 +75,6 @@ def test_methods_option_limits_the_table(tmp_path):
                         "--methods", "recursive,wavefront", "--out", str(out)],
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = cpu.parse_threads_table((out / "cpu-threads.md").read_text())
+    rows = cpu.parse_threads_table((out / "cpu.md").read_text())
     assert {(r["size"], r["method"]) for r in rows} == {
         (n, m) for n in cpu.THREAD_QUICK_SIZES for m in ("recursive", "wavefront")}

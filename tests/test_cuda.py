@@ -1115,11 +1115,14 @@ def test_sim_bench_stack_gpu_suite(tmp_path, monkeypatch):
     fake.cuda = types.SimpleNamespace(runtime=rt, get_current_stream=lambda: stream)
     assert bench.main(["--gpu", "--suite", "--tile", "2", "--repeats", "1", "--dtype",
                        "float64", "--engine", "cuda", "--out", str(tmp_path)]) == 0
-    page = (tmp_path / "stack-h200-suite.md").read_text()
+    page = (tmp_path / "stacks.md").read_text()
     rows = [ln for ln in page.splitlines() if ln.startswith("| 2 × ")]
-    assert len(rows) == 2 and all(r.endswith("| True | 0 |") for r in rows)
-    assert "one launch per coarse step for 2 items" in rows[0]  # auto: the wavefront form
-    raw = json.loads((tmp_path / "stack-h200-suite.json").read_text())
+    assert len(rows) == 2 and all(r.endswith("| True |") for r in rows)
+    assert "float32 entries differ on near-ties: 0 and 0 entries" in " ".join(page.split())
+    raw = json.loads((tmp_path / "data" / "stacks-gpu-suite.json").read_text())["points"]
+    # auto: the wavefront form
+    assert "one launch per coarse step for 2 items" in raw["2x5x4"]["info"]["stack_run"]
+    assert "(here the wavefront" in page
     assert set(raw["2x5x4"]["median"]) == {"floor", "one by one", "stack, items",
                                            "stack, antidiagonal", "stack, wavefront",
                                            "stack, auto"}
@@ -1146,7 +1149,8 @@ def test_sim_bench_stack_gpu_block(tmp_path, monkeypatch):
         ("down", 8, 12, "down_in", "down")))
     assert bench.main(["--gpu", "--block", "--tile", "2", "--repeats", "1", "--dtype",
                        "float64", "--engine", "cuda", "--out", str(tmp_path)]) == 0
-    page = (tmp_path / "stack-h200-block.md").read_text()
-    assert "Stacks solved: 1 × 8×12: wavefront; 1 × 8×8: wavefront; 2 × 4×8: " in page
+    page = (tmp_path / "stacks.md").read_text()
+    assert "Stacks solved: 1 × 8×12: wavefront; 1 × 8×8: wavefront; 2 × 4×8: " in " ".join(
+        page.split())
     row = [ln for ln in page.splitlines() if ln.startswith("| Llama-3-8B")]
     assert len(row) == 1 and row[0].count("ms") == 3 and row[0].endswith("× |")

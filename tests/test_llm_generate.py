@@ -124,6 +124,7 @@ def test_bad_prompts():
         lm.generate("hello", 3)
 
 
+@pytest.mark.slow   # the real SmolLM2: outside the fast tier
 def test_smollm2_greedy_matches_full_forward(smollm2):
     prompts = smollm2.tokenize(["The capital of France is", "def fibonacci(n):",
                                 "Once upon a time"])

@@ -262,16 +262,17 @@ def test_parallel_one_sided_kernel(monkeypatch):
     np.testing.assert_array_equal(r.values, ref.values)
     s_tab, z_tab = q.tables(np, "cpu", np.float64)
     z_tab = np.zeros((1, 1)) if z_tab is None else np.ascontiguousarray(z_tab)
-    lo, hi = q.code_range
-    grid = (np.ascontiguousarray(s_tab), z_tab, q.group_size or 1, np.float64(lo),
-            np.float64(hi), q.symmetric)
+    flags = K.HAS_F | K.WRITE_E | K.HAS_T | (0 if q.symmetric else K.ASYM)
+    prm = K.params(flags=flags, tile=(8, 4), group_size=q.group_size or 1,
+                   code_range=q.code_range)
+    tables = (np.ascontiguousarray(s_tab), z_tab)
     F0 = np.random.default_rng(1).standard_normal(W.shape)
     AI = np.ascontiguousarray(f_in.A)
     outs = []
     for kernel in (K.base_one_sided, K.base_one_sided_par):
         FE, Wq = F0.copy(), np.zeros_like(W)
         codes, T = np.zeros(W.shape, np.int16), np.zeros_like(W)
-        kernel(W, FE, True, AI, Wq, codes, T, True, FE, True, 16, 62, 8, 41, 8, 4, *grid)
+        kernel(W, FE, AI, Wq, codes, T, FE, *tables, prm, 16, 62, 8, 41)
         outs.append((FE, Wq, codes, T))
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)

@@ -13,8 +13,12 @@ Measures, in one run and on the same inputs:
   a classic lazy-batch GPTQ loop (block 128, numpy) on the same inputs — the two give the same
   Ŵ, which is checked.
 
-and writes ``cpu.md`` (table, command, machine, targets) and ``cpu.png`` (log-log time vs size,
-with fitted slopes) to the output directory (default ``docs/benchmarks``).
+and writes its section of the page ``cpu.md`` (date, machine, command, the tables, fitted
+slopes; ``bakron.benchmarks._page``: the rest of the page is kept), ``cpu.png`` (log-log time
+against size) and the results ``data/cpu.json`` to the output directory (default
+``docs/benchmarks``). ``--threads`` writes the section ``cpu-threads`` of the same page
+instead; ``--render data/cpu.json`` (or ``data/cpu-threads.json``) rewrites a section from a
+stored run without measuring.
 """
 from __future__ import annotations
 
@@ -241,16 +245,43 @@ def _ratio(a, b, unit=""):
     return "—" if a is None or b is None else f"{a / b:.2f}{unit}"
 
 
+#: the page of both modes and their sections (``bakron.benchmarks._page``)
+PAGE, SECTION, THREADS_SECTION = "cpu.md", "cpu", "cpu-threads"
+
+
 def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, shape_rows=()):
-    os.makedirs(out_dir, exist_ok=True)
+    """Write the results ``data/cpu.json``, the plot ``cpu.png`` and the section ``cpu`` of
+    the page ``cpu.md`` in ``out_dir`` (the rest of the page kept)."""
+    from bakron._lib.fs import atomic_write_json
+
+    from ._page import today
+    data = {"date": today(), "command": command, "machine": machine, "dtype": dtype,
+            "tile": tile, "bits": bits, "repeats": repeats, "rows": rows,
+            "shape_rows": [dict(r, shape=list(r["shape"])) for r in shape_rows]}
+    os.makedirs(os.path.join(out_dir, "data"), exist_ok=True)
+    atomic_write_json(os.path.join(out_dir, "data", "cpu.json"), data)
+    try:
+        _plot(rows, os.path.join(out_dir, "cpu.png"), dtype, tile, bits)
+        plotted = True
+    except ImportError:
+        plotted = False
+        print("bakron bench: matplotlib is not installed: no cpu.png", file=sys.stderr)
+    from ._page import write_section
+    return write_section(os.path.join(out_dir, PAGE), SECTION, report_section(data, plotted),
+                         title="CPU benchmarks")
+
+
+def report_section(data: dict, plotted: bool = True) -> str:
+    """The section ``cpu`` of the page from a run's results (``data/cpu.json``)."""
+    from ._page import page_command
+
+    rows, shape_rows = data["rows"], data["shape_rows"]
     lines = [
-        "# CPU benchmark: the recursive solver against the GEMM floor and the anti-diagonal "
-        "baselines", "",
-        f"Command: `{command}`", "",
-        f"Machine: {machine}. dtype {dtype}, tile {tile}x{tile}, {bits}-bit grid (per-row RMS "
-        f"scales), Wishart Hessians; median of up to {repeats} runs per entry, all measured "
-        "in the same run, interleaved round by round (ratios are to the floor measured "
-        "alongside).", "",
+        f"Measured on {data['date']}. Machine: {data['machine']}. dtype {data['dtype']}, tile "
+        f"{data['tile']} × {data['tile']}, {data['bits']}-bit grid (per-row RMS scales), "
+        f"Wishart Hessians; medians of up to {data['repeats']} runs per entry, interleaved "
+        "round by round with the floor. Command:", "",
+        f"```bash\n{page_command(data['command'])}\n```", "", "Times in ms:", "",
         "| n × n | floor `G_Oᵀ W G_I` | recursive | ÷ floor | target | anti-diag acc. | "
         "÷ floor | rec. speed-up | anti-diag direct | rec. speed-up | recursive (array API) | "
         "one-sided (t=16×1) | GPTQ loop (block 128) | GPTQ ÷ one-sided |",
@@ -260,7 +291,7 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, sh
         f = r["floor"]
         tgt = TARGETS.get(r["n"])
         ratio = r["recursive"] / f
-        met = "" if tgt is None else (f"≤ {tgt} {'met' if ratio <= tgt else 'MISSED'}")
+        met = "" if tgt is None else (f"≤ {tgt} {'met' if ratio <= tgt else 'missed'}")
         lines.append(
             f"| {r['n']} | {_fmt_ms(f)} | {_fmt_ms(r['recursive'])} | {ratio:.2f} | {met} | "
             f"{_fmt_ms(r['antidiagonal_acc'])} | {_ratio(r['antidiagonal_acc'], f)} | "
@@ -269,19 +300,6 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, sh
             f"{_ratio(r['antidiagonal_direct'], r['recursive'], '×')} | "
             f"{_fmt_ms(r['recursive_array_api'])} | {_fmt_ms(r['one_sided'])} | "
             f"{_fmt_ms(r['gptq_loop'])} | {_ratio(r['gptq_loop'], r['one_sided'], '×')} |")
-    lines += ["", "Times in ms unless marked s. Fitted slopes of log time vs log n "
-              "(square n × n; the floor and every exact method are O(n³) but for the direct "
-              "anti-diagonal, O(n⁴)):", ""]
-    sizes = [r["n"] for r in rows]
-    for key, label in _SERIES:
-        s = _fit_slope(sizes, [r.get(key) for r in rows])
-        if s is not None:
-            lines.append(f"- {label}: {s:.2f}")
-    agree = [r.get("gptq_agree") for r in rows if r.get("gptq_agree") is not None]
-    if agree:
-        lines += ["", f"The one-sided solver and the GPTQ loop (on the column-reversed problem, "
-                  f"GPTQ's first-to-last order) agree on {min(agree) * 100:.2f} % or more of the "
-                  f"entries at every size (float32 near-ties aside they are the same rule)."]
     if shape_rows:
         lines += ["", "Rectangular (MLP) shapes, recursive solver only:", "",
                   "| m × n | floor `G_Oᵀ W G_I` | recursive | ÷ floor |", "|---|---:|---:|---:|"]
@@ -289,44 +307,38 @@ def write_report(rows, out_dir, command, machine, dtype, tile, bits, repeats, sh
             m, n = r["shape"]
             lines.append(f"| {m} × {n} | {_fmt_ms(r['floor'])} | {_fmt_ms(r['recursive'])} | "
                          f"{r['recursive'] / r['floor']:.2f} |")
-    lines += ["", "Notes:", "",
-              "- Targets (float32, tile 16, 2-bit grid): recursive ÷ floor ≤ 3 at "
-              "1024², ≤ 2.5 at 2048² (column 'target').",
-              "- All solvers but 'recursive (array API)' run on the numba engine: compiled, "
-              "quantizer fused. The accumulator anti-diagonal makes one small BLAS product per "
-              "tile for its target and one for its accumulator update, the direct one two BLAS "
-              "products per tile over the tile's dominating region (O(n⁴)); both run the tiles "
-              "of a diagonal one after the other (in parallel they measured slower, "
-              "docs/engines.md).",
-              "- One-sided: `A_out=None`, tile 16×1 (GPTQ's column-by-column rule) with the "
-              "factor of the same H_in at block 1. The GPTQ loop gets the upper Cholesky factor "
-              "of H⁻¹ of the column-reversed problem, computed beforehand and not timed (as the "
-              "solvers get their factors).",
-              "- The 2 cores are shared with other users (load averages above). A busy machine "
-              "slows multi-threaded BLAS calls by up to a scheduler time slice each, the floor's "
-              "two calls as well as the solvers' hundreds: compare runs at low load, or "
-              "single-core runs (`OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python -m "
-              "bakron.benchmarks.cpu ...`).",
-              "", "![time vs size](cpu.png)", ""]
-    try:
-        _plot(rows, os.path.join(out_dir, "cpu.png"), dtype, tile, bits)
-    except ImportError:
-        lines[-2] = "(no plot: matplotlib is not installed; pip install 'bakron[bench]')"
-        print("bakron bench: matplotlib is not installed: no cpu.png", file=sys.stderr)
-    with open(os.path.join(out_dir, "cpu.md"), "w") as fh:
-        fh.write("\n".join(lines))
-    with open(os.path.join(out_dir, "cpu.json"), "w") as fh:  # the rows, to re-plot or compare
-        json.dump({"command": command, "machine": machine, "dtype": dtype, "tile": tile,
-                   "bits": bits, "repeats": repeats, "rows": rows,
-                   "shape_rows": [dict(r, shape=list(r["shape"])) for r in shape_rows]},
-                  fh, indent=1)
+    sizes = [r["n"] for r in rows]
+    slopes = [(label, _fit_slope(sizes, [r.get(key) for r in rows])) for key, label in _SERIES]
+    slopes = [f"{label} {v:.2f}" for label, v in slopes if v is not None]
+    if slopes:
+        lines += ["", "Fitted slopes of log time against log n (square n × n; the floor and "
+                  "every exact method are O(n³) but for the direct anti-diagonal, O(n⁴)): "
+                  + ", ".join(slopes) + "."]
+    agree = [r.get("gptq_agree") for r in rows if r.get("gptq_agree") is not None]
+    if agree:
+        lines += ["", f"The one-sided solver and the GPTQ loop (on the column-reversed problem, "
+                  f"GPTQ's first-to-last order) agree on {min(agree) * 100:.2f} % or more of the "
+                  f"entries at every size (float32 near-ties aside they are the same rule)."]
+    lines += ["", "![time against size](cpu.png)" if plotted else
+              "(no plot: matplotlib is not installed; pip install 'bakron[bench]')"]
+    return "\n".join(_wrap(x) for x in lines)
 
 
-_SERIES = [("floor", "floor G_Oᵀ W G_I"), ("recursive", "recursive (numba)"),
-           ("antidiagonal_acc", "anti-diagonal, accumulator (numba)"),
-           ("antidiagonal_direct", "anti-diagonal, direct (numba)"),
-           ("recursive_array_api", "recursive (array API, numpy)"),
-           ("one_sided", "one-sided (numba)"), ("gptq_loop", "GPTQ loop (numpy)")]
+def _wrap(line: str) -> str:
+    """A prose line of a section in lines of at most 95 characters (tables, code and images
+    as they are)."""
+    import textwrap
+
+    if not line or line.startswith(("|", "`", "!", "#")) or len(line) <= 95:
+        return line
+    return textwrap.fill(line, 95, break_long_words=False, break_on_hyphens=False)
+
+
+_SERIES = [("floor", "floor"), ("recursive", "recursive (numba)"),
+           ("antidiagonal_acc", "anti-diagonal accumulator"),
+           ("antidiagonal_direct", "anti-diagonal direct"),
+           ("recursive_array_api", "recursive (array API)"),
+           ("one_sided", "one-sided"), ("gptq_loop", "GPTQ loop")]
 
 
 def _plot(rows, path, dtype, tile, bits):
@@ -351,7 +363,10 @@ def _plot(rows, path, dtype, tile, bits):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from bakron._lib.fs import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -573,44 +588,55 @@ THREADS_HEADER = "| threads | size | method | median ms | floor ms | ratio |"
 
 
 def write_threads_report(results, out_dir, command, dtype, tile, bits, repeats) -> str:
-    """``cpu-threads.md`` (and ``.json``, ``.png``) in ``out_dir``; returns the md path."""
-    os.makedirs(out_dir, exist_ok=True)
-    lines = ["# CPU thread scaling: every CPU method against the floor product", "",
-             f"Command: `{command}`", "",
-             f"dtype {dtype}, tile {tile}x{tile}, {bits}-bit grid (per-row RMS scales), "
-             f"Wishart Hessians; median of up to {repeats} runs per entry, interleaved with "
-             "the floor `G_Oᵀ W G_I` measured alongside in the same process. Each thread count "
-             "runs in a fresh process with OPENBLAS_NUM_THREADS = NUMBA_NUM_THREADS = "
-             "OMP_NUM_THREADS = MKL_NUM_THREADS = threads, pinned to that many cores "
-             "(`os.sched_setaffinity`) when the machine has them.", "",
+    """Write the results ``data/cpu-threads.json``, the plot ``cpu-threads.png`` and the
+    section ``cpu-threads`` of the page ``cpu.md`` in ``out_dir``; returns the page's path."""
+    from bakron._lib.fs import atomic_write_json
+
+    from ._page import today, write_section
+    data = {"date": today(), "command": command, "dtype": dtype, "tile": tile, "bits": bits,
+            "repeats": repeats, "processes": results}
+    os.makedirs(os.path.join(out_dir, "data"), exist_ok=True)
+    atomic_write_json(os.path.join(out_dir, "data", "cpu-threads.json"), data)
+    png = os.path.join(out_dir, "cpu-threads.png")
+    try:
+        _plot_threads(results, png, dtype, tile, bits)
+        plotted = True
+    except ImportError:
+        plotted = False
+        print("bakron bench: matplotlib is not installed: no cpu-threads.png", file=sys.stderr)
+    return write_section(os.path.join(out_dir, PAGE), THREADS_SECTION,
+                         threads_section(data, plotted), title="CPU benchmarks")
+
+
+def threads_section(data: dict, plotted: bool = True) -> str:
+    """The section ``cpu-threads`` of the page from a run's results
+    (``data/cpu-threads.json``)."""
+    from ._page import page_command
+
+    results = data["processes"]
+    lines = [f"Measured on {data['date']}. dtype {data['dtype']}, tile {data['tile']} × "
+             f"{data['tile']}, {data['bits']}-bit grid (per-row RMS scales), Wishart Hessians; "
+             f"medians of up to {data['repeats']} runs per entry, interleaved with the floor "
+             "`G_Oᵀ W G_I` measured alongside in the same process. Each thread count T runs in "
+             "a fresh process with `OPENBLAS_NUM_THREADS`, `NUMBA_NUM_THREADS`, "
+             "`OMP_NUM_THREADS` and `MKL_NUM_THREADS` set to T, pinned to T cores when the "
+             "machine has them. Command:", "",
+             f"```bash\n{page_command(data['command'])}\n```", "",
              THREADS_HEADER, "|---:|---:|---|---:|---:|---:|"]
     for res in results:
         for r in res["rows"]:
             lines.append(f"| {r['threads']} | {r['size']} | {r['method']} | "
                          f"{_ms4(r['median'])} | {_ms4(r['floor'])} | "
                          f"{r['median'] / r['floor']:.2f} |")
-    lines += ["", "Processes:", ""]
+    lines += ["", ("![ratio to the floor against threads](cpu-threads.png)" if plotted else
+                   "(no plot: matplotlib is not installed; pip install 'bakron[bench]')"), "",
+              "The processes (the raw rows: `data/cpu-threads.json`):", ""]
     for res in results:
         where = "pinned to" if res["pinned"] else \
-            "NOT pinned (fewer cores allowed than threads); runs on"
+            "not pinned (fewer cores allowed than threads), on"
         lines.append(f"- {res['threads']} threads: {where} {res['affinity']} cores, numba "
-                     f"{res['numba_threads']} threads. {res['machine']}.")
-    lines += ["", "![ratio to the floor vs threads](cpu-threads.png)", ""]
-    png = os.path.join(out_dir, "cpu-threads.png")
-    try:
-        _plot_threads(results, png, dtype, tile, bits)
-    except ImportError:
-        lines[-2] = "(no plot: matplotlib is not installed; pip install 'bakron[bench]')"
-        print("bakron bench: matplotlib is not installed: no cpu-threads.png", file=sys.stderr)
-    from bakron._lib.fs import atomic_path
-
-    md = os.path.join(out_dir, "cpu-threads.md")
-    with atomic_path(md) as tmp, open(tmp, "w") as fh:
-        fh.write("\n".join(lines))
-    with atomic_path(os.path.join(out_dir, "cpu-threads.json")) as tmp, open(tmp, "w") as fh:
-        json.dump({"command": command, "dtype": dtype, "tile": tile, "bits": bits,
-                   "repeats": repeats, "processes": results}, fh, indent=1)
-    return md
+                     f"{res['numba_threads']} threads. Machine: {res['machine']}.")
+    return "\n".join(_wrap(x) if not x.startswith("- ") else x for x in lines)
 
 
 def parse_threads_table(text: str) -> list[dict]:
@@ -681,7 +707,12 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds per entry: an entry whose runs have taken this long stops "
                          "before --repeats (default 60)")
     ap.add_argument("--out", default=os.path.join("docs", "benchmarks"),
-                    help="output directory for cpu.md and cpu.png (default docs/benchmarks)")
+                    help="output directory (default docs/benchmarks): the run's section of the "
+                         "page cpu.md (the rest of the page kept), its plot and its results "
+                         "under data/")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="measure nothing: rewrite the section of a stored run (data/cpu.json "
+                         "or data/cpu-threads.json) of the page in --out")
     ap.add_argument("--tune", action="store_true",
                     help="measure the numba engine's auto rules (base size, panel width, "
                          "small problems) and print a markdown report instead")
@@ -720,6 +751,8 @@ def main(argv=None) -> int:
         _OPTIONS = from_cli(args.option)
     except (TypeError, ValueError) as exc:
         ap.error(str(exc))
+    if args.render:
+        return _render(args.render, args.out)
     if args.threads is not None or args.thread_child is not None:
         return _main_threads(ap, args, raw)
     if args.quick:
@@ -844,6 +877,21 @@ def _main_threads(ap, args, raw) -> int:
     md = write_threads_report(results, args.out, command.strip(), args.dtype, args.tile,
                               args.bits, args.repeats)
     print(f"wrote {md}")
+    return 0
+
+
+def _render(path: str, out: str) -> int:
+    """``--render JSON``: rewrite the section of a stored run (``data/cpu.json`` or
+    ``data/cpu-threads.json``) in ``out``'s page, measuring nothing."""
+    from ._page import write_section
+
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    if "processes" in data:
+        key, text = THREADS_SECTION, threads_section(data)
+    else:
+        key, text = SECTION, report_section(data)
+    print("wrote", write_section(os.path.join(out, PAGE), key, text, title="CPU benchmarks"))
     return 0
 
 

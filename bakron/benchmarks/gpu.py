@@ -1,15 +1,21 @@
-"""GPU benchmark of the cuda engine: build, time, write docs/benchmarks/gpu.md + plot.
+"""GPU benchmark of the cuda engine: build, time, write its section of docs/benchmarks/gpu.md.
 
 Run on a machine with a CUDA GPU, cupy and numba-cuda::
 
-    python -m bakron.benchmarks.gpu --out docs/benchmarks [--pytest-log LOG] [--tf32]
+    python -m bakron.benchmarks.gpu --out DIR [--pytest-log LOG] [--tf32]
+
+writes the results ``DIR/data/gpu.json``, the plot ``DIR/gpu.png`` and the generated section
+of the page ``DIR/gpu.md`` (``bakron.benchmarks._page``: the rest of an existing page is
+kept; a new page gets the section alone). ``--render DIR/data/gpu.json --out docs/benchmarks``
+rewrites the section of the project's page from such a JSON without measuring (copy the plot
+and the JSON along).
 
 In one run it (1) compiles the kernels, (2) times every method through ``bakron.solve`` at
 1024², 2048², 4096², 4096×11008 and 11008×4096 (float32 without TF32, tile 16, 2-bit per-row
 grid; medians of the solver time ``SolveResult.seconds``, device synchronised; ratios to the
 floor product ``G_Oᵀ W G_I`` timed in the same run), the float64 times (and whether the methods
 agree exactly), TF32 (with its mismatch count against float64) and the peak device memory, and
-(3) writes the markdown page and the plot. The correctness checks are the GPU tests
+(3) writes the results, the page's section and the plot. The correctness checks are the GPU tests
 (``pytest -m gpu tests/test_cuda.py tests/test_engines.py``), whose summary line the page quotes
 with ``--pytest-log``.
 
@@ -25,12 +31,14 @@ import pathlib
 import platform
 import statistics
 import sys
+import textwrap
 import time
 
 import numpy as np
 
 import bakron
 from bakron import _xp
+from bakron._lib.fs import atomic_path, atomic_write_json
 
 SIZES = [(1024, 1024), (2048, 2048), (4096, 4096), (4096, 11008), (11008, 4096)]
 TARGET_MS = {(1024, 1024): 3.0, (4096, 4096): 20.0, (4096, 11008): 100.0, (11008, 4096): 100.0}
@@ -239,32 +247,55 @@ def bench_size(env, m, n, *, reps, tf32, tuning, seed=1):
 
 
 # ------------------------------------------------------------------------------------------
-def write_page(results, path_md, path_png, command, pytest_line, meta):
-    sizes = results
-    L = []
-    L.append("# GPU benchmark: NVIDIA H200 (cuda engine)\n")
-    L.append("Produced by one run of `python -m bakron.benchmarks.gpu` on the device machine; "
-             "every number below comes from that run (medians of the solver time of repeated "
-             "`bakron.solve(..., engine=\"cuda\")` calls, device synchronised; ratios to the "
-             "floor product timed in the same run).\n")
-    L.append("## How it was run\n")
-    L.append("```\n" + command + "\n```\n")
-    L.append(f"- machine: {meta.get('gpu')}, {meta.get('sms')} SMs; cupy {meta.get('cupy')}, "
-             f"numba {meta.get('numba')}, numba-cuda {meta.get('numba_cuda')}, numpy "
-             f"{meta.get('numpy')}, Python {meta.get('python')}")
-    L.append(f"- kernel launch mode `{meta.get('launch')}`, register cap {meta.get('maxreg')}, "
-             f"cooperative grid {meta.get('grid')} CTAs of {meta.get('threads')} threads; "
-             f"kernel build (compile) {meta.get('build_s', 0):.1f} s")
-    L.append("- problem: W ~ N(0,1), H_in/H_out = X Xᵀ/k (k = n/2) prepared on the GPU with "
-             "`prepare_factor` (damping 0.01), float32 without TF32, tile 16×16, 2-bit "
-             "symmetric grid with per-row RMS scales, `engine=\"cuda\"`")
-    L.append("")
-    L.append("## Checks (same run)\n")
-    if pytest_line:
-        L.append(f"- GPU tests (reference cases exact in float64 for every method and base, "
-                 f"hypothesis properties against the CPU array-API path): `{pytest_line}`")
-    L.append(f"- at every benchmark size the three methods give identical Ŵ in float64: "
-             f"**{all(r['f64_identical'] for r in sizes)}**\n")
+#: the command whose summary line ``--pytest-log`` quotes
+PYTEST_COMMAND = "python -m pytest -q -m gpu tests"
+#: the page, its section, the results JSON (under ``--out``) and the plot
+PAGE, SECTION, DATA, PLOT = "gpu.md", "gpu", os.path.join("data", "gpu.json"), "gpu.png"
+
+
+def _size(r) -> str:
+    return f"{r['m']}×{r['n']}"
+
+
+def section(data: dict) -> str:
+    """The page's generated section ("Single layers" to "Float32 agreement") from a run's
+    results JSON (what :func:`main` writes to ``data/gpu.json``)."""
+    from ._page import page_command
+
+    meta, sizes = data["meta"], data["results"]
+    L = ["## Single layers\n"]
+    host = f" {meta['host']}" if meta.get("host") else ""
+    L.append(f"Measured on {meta.get('date', '?')}. Machine: one {meta.get('gpu')} "
+             f"({meta.get('sms')} SMs){host}; cupy {meta.get('cupy')}, numba "
+             f"{meta.get('numba')}, numba-cuda {meta.get('numba_cuda')}, numpy "
+             f"{meta.get('numpy')}, Python {meta.get('python')}. Kernel launch mode "
+             f"`{meta.get('launch')}`, register cap {meta.get('maxreg')}, cooperative grid of "
+             f"{meta.get('grid')} CTAs of {meta.get('threads')} threads. Problem: W ~ N(0,1), "
+             "H_in/H_out = X Xᵀ/k (k = n/2) prepared on the GPU with `prepare_factor` "
+             "(damping 0.01), tile 16 × 16, 2-bit symmetric grid with per-row RMS scales, "
+             "`engine=\"cuda\"`; times are medians of the solver time of repeated "
+             "`bakron.solve` calls, device synchronised. "
+             + ("Commands:\n" if data.get("pytest") else "Command:\n"))
+    L.append("```bash\n" + (PYTEST_COMMAND + "\n" if data.get("pytest") else "")
+             + page_command(data["command"]) + "\n```\n")
+    same = all(r["f64_identical"] for r in sizes)
+    checks = []
+    if data.get("pytest"):
+        checks.append("the GPU tests ran (reference cases exact in float64 for every method "
+                      "and base, hypothesis properties against the CPU array-API path: "
+                      f"{data['pytest']})")
+    checks.append("at every size the three methods gave " + ("identical" if same else
+                  "**different**") + " Ŵ in float64")
+    L.append("In the same run " + ", and ".join(checks) + ".\n")
+    auto = ", ".join(f"{r['f32']['wavefront']['ms']:.2f} ms at {_size(r)}" for r in sizes)
+    extra = [r["auto"]["wall_ms"] - r["auto"]["solver_ms"] for r in sizes]
+    tf = [r for r in sizes if "tf32" in r]
+    L.append(f"In short: the wavefront takes {auto} in float32 without TF32"
+             + (" (with TF32: " + ", ".join(f"{r['tf32']['ms']:.2f} ms at {_size(r)}"
+                                            for r in tf) + ")" if tf else "")
+             + f". The whole `bakron.solve` call (`method=\"auto\"`, input checks included) "
+             f"adds {min(extra):.1f}–{max(extra):.1f} ms to the solver time (the end-to-end "
+             "table below).\n")
     L.append("## Float32 (no TF32): time and ratio to the floor product\n")
     L.append("| size | floor `G_Oᵀ W G_I` | wavefront | recursive | anti-diagonal (1 launch) | "
              "best / target | speed-up of best over anti-diagonal | exllamav3 (for "
@@ -279,7 +310,7 @@ def write_page(results, path_md, path_png, command, pytest_line, meta):
                                            if f[best]["ms"] <= tgt else
                                            f"{f[best]['ms']:.2f} ms > {tgt:g} ms: **missed**")
         anchor = ANCHORS.get(key)
-        L.append(f"| {r['m']}×{r['n']} | {r['floor_ms']:.2f} ms ({r['floor_tflops']:.0f} TFLOP/s) | "
+        L.append(f"| {_size(r)} | {r['floor_ms']:.2f} ms ({r['floor_tflops']:.0f} TFLOP/s) | "
                  + " | ".join(f"{f[k]['ms']:.2f} ms ({f[k]['ratio']:.1f}×)" for k in METHODS)
                  + f" | {best}: {verdict} | {f['antidiagonal']['ms'] / f[best]['ms']:.1f}× | "
                  + (f"{anchor:g} ms" if anchor else "–") + " |")
@@ -293,7 +324,7 @@ def write_page(results, path_md, path_png, command, pytest_line, meta):
         for r in sizes:
             if not any("/" in k for k in r["f32"]):
                 continue
-            L.append(f"| {r['m']}×{r['n']} | {r['f32']['wavefront']['ms']:.2f} | "
+            L.append(f"| {_size(r)} | {r['f32']['wavefront']['ms']:.2f} | "
                      f"{r['f32']['recursive']['ms']:.2f} | "
                      + " | ".join(f"{r['f32'][k]['ms']:.2f}" if k in r["f32"] else "–"
                                   for k in keys) + " |")
@@ -302,20 +333,19 @@ def write_page(results, path_md, path_png, command, pytest_line, meta):
     L.append("| size | " + " | ".join(METHODS) + " |")
     L.append("|---|" + "---|" * len(METHODS))
     for r in sizes:
-        L.append(f"| {r['m']}×{r['n']} | "
+        L.append(f"| {_size(r)} | "
                  + " | ".join(f"{r['f64'][k]['ms']:.2f} ms" for k in METHODS) + " |")
     L.append("")
-    if any("tf32" in r for r in sizes):
+    if tf:
         L.append("## TF32 (wavefront; cuBLAS TF32 tensor-core GEMMs)\n")
         L.append("| size | TF32 time | float32 time | Ŵ entries ≠ float64: TF32 | "
                  "Ŵ entries ≠ float64: float32 |")
         L.append("|---|---|---|---|---|")
-        for r in sizes:
-            if "tf32" in r:
-                L.append(f"| {r['m']}×{r['n']} | {r['tf32']['ms']:.2f} ms | "
-                         f"{r['f32']['wavefront']['ms']:.2f} ms | "
-                         f"{r['tf32']['mismatch_vs_f64']} of {r['m'] * r['n']} | "
-                         f"{r['f32_mismatch_vs_f64']['wavefront']} |")
+        for r in tf:
+            L.append(f"| {_size(r)} | {r['tf32']['ms']:.2f} ms | "
+                     f"{r['f32']['wavefront']['ms']:.2f} ms | "
+                     f"{r['tf32']['mismatch_vs_f64']} of {r['m'] * r['n']} | "
+                     f"{r['f32_mismatch_vs_f64']['wavefront']} |")
         L.append("")
     L.append("## Peak device memory (float32)\n")
     L.append("Peak bytes in cupy's pool during one solve, above what was allocated before it "
@@ -325,30 +355,54 @@ def write_page(results, path_md, path_png, command, pytest_line, meta):
     L.append("| size | " + " | ".join(METHODS) + " |")
     L.append("|---|" + "---|" * len(METHODS))
     for r in sizes:
-        L.append(f"| {r['m']}×{r['n']} | " + " | ".join(
+        L.append(f"| {_size(r)} | " + " | ".join(
             f"{r['mem'][k]['peak_extra_bytes'] / 2**20:.0f} MiB "
             f"({r['mem'][k]['beyond_factors_outputs_mn']:.2f}·mn)" for k in METHODS) + " |")
     L.append("")
+    if any(r["mem"][k]["beyond_factors_outputs_mn"] < 0 for r in sizes for k in METHODS):
+        L.append("(Negative entries: the pool's peak rose by less than the copies and outputs "
+                 "that the formula subtracts, presumably because blocks freed by the previous "
+                 "solve were reused.)\n")
     L.append("## `method=\"auto\"` end to end (`bakron.solve`, validation included)\n")
     L.append("| size | picked | wall time of `bakron.solve` | solver time |")
     L.append("|---|---|---|---|")
     for r in sizes:
         a = r["auto"]
-        L.append(f"| {r['m']}×{r['n']} | {a['engine']}/{a['method']} | {a['wall_ms']:.2f} ms | "
+        L.append(f"| {_size(r)} | {a['engine']}/{a['method']} | {a['wall_ms']:.2f} ms | "
                  f"{a['solver_ms']:.2f} ms |")
     L.append("")
     L.append("## Float32 agreement\n")
     L.append("Entries of Ŵ (float32) that differ from the float64 result, per method (near-ties "
-             "flip and the flip propagates; docs/algorithm.md, \"float32\"):\n")
+             "flip and the flip propagates; {doc}`../algorithm`, \"float32\"):\n")
     L.append("| size | " + " | ".join(METHODS) + " |")
     L.append("|---|" + "---|" * len(METHODS))
     for r in sizes:
-        L.append(f"| {r['m']}×{r['n']} | " + " | ".join(
+        L.append(f"| {_size(r)} | " + " | ".join(
             str(r["f32_mismatch_vs_f64"][k]) for k in METHODS) + " |")
     L.append("")
-    if path_png:
-        L.append(f"![time vs size]({os.path.basename(path_png)})\n")
-    pathlib.Path(path_md).write_text("\n".join(L) + "\n")
+    L.append(f"The results of the run: `{DATA}`"
+             + (f" ({data['source']})" if data.get("source") else "") + ".\n")
+    L.append(f"![time against size]({PLOT})")
+    return "\n".join(_wrap(x) for x in L)
+
+
+def _wrap(block: str) -> str:
+    """A paragraph of the page in lines of at most 95 characters (tables, headings, code and
+    images as they are)."""
+    if block.startswith(("|", "#", "`", "!", "(")) and not block.startswith("(Negative"):
+        return block
+    start = "\n" if block.startswith("\n") else ""
+    end = "\n" if block.endswith("\n") else ""
+    return start + textwrap.fill(block.strip(), 95, break_long_words=False,
+                                 break_on_hyphens=False) + end
+
+
+def write_page(data: dict, out) -> str:
+    """Write the section of ``out/gpu.md`` from ``data`` (the results JSON); returns the
+    page's path."""
+    from ._page import write_section
+    return write_section(os.path.join(out, PAGE), SECTION, section(data),
+                         title="GPU benchmarks")
 
 
 def plot(results, path_png):
@@ -374,25 +428,56 @@ def plot(results, path_png):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path_png, dpi=120)
+    with atomic_path(path_png) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+
+
+def _plot_quietly(results, path):
+    try:
+        plot(results, path)
+    except Exception as exc:  # no matplotlib: the page still gets written
+        _log("plot failed:", exc)
+
+
+def _host() -> str:
+    """The host of the run in words: its CPU, the cores this process may use, the load."""
+    from .cpu import cpu_name
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pinned = (f", the run on cores {cores[0]}–{cores[-1]}" if cores and
+              len(cores) < (os.cpu_count() or 0) and cores == list(range(cores[0], cores[-1] + 1))
+              else "")
+    return (f"on a host with {os.cpu_count()} cores ({cpu_name()}){pinned}, load average "
+            f"{os.getloadavg()[0]:.1f} at the start")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="docs/benchmarks", help="folder for h200.md/png/json")
+    ap.add_argument("--out", default="docs/benchmarks",
+                    help=f"folder of the page {PAGE} (its section is rewritten, the rest kept), "
+                         f"the plot {PLOT} and the results {DATA}")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tf32", action="store_true", help="also time TF32 GEMMs")
     ap.add_argument("--tuning", action="store_true", help="also time base sizes 8 and 32")
     ap.add_argument("--sizes", default="", help="e.g. 1024x1024,4096x11008")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (simulator-friendly)")
     ap.add_argument("--pytest-log", default="", help="pytest output whose summary line to quote")
-    ap.add_argument("--name", default="h200")
+    ap.add_argument("--render", default="", metavar="JSON",
+                    help="measure nothing: rewrite the page's section in --out from a results "
+                         "JSON that an earlier run wrote (the plot stays as that run drew it)")
     a = ap.parse_args(argv)
+    if a.render:
+        with open(a.render, encoding="utf-8") as fh:
+            data = json.load(fh)
+        _log("wrote", write_page(data, a.out))
+        return 0
     command = "python -m bakron.benchmarks.gpu " + " ".join(
         argv if argv is not None else sys.argv[1:])
+    from ._page import today
     env = Env()
     NC = env.NC
-    meta = {"python": platform.python_version(), "numpy": np.__version__,
+    meta = {"date": today(), "host": _host(), "python": platform.python_version(),
+            "numpy": np.__version__,
             "launch": NC.launch_mode(NC.defaults(NC.CudaOptions)),
             "maxreg": NC.defaults(NC.CudaOptions).maxreg}
     import numba
@@ -420,6 +505,9 @@ def main(argv=None):
         sizes = [tuple(int(v) for v in s.split("x")) for s in a.sizes.split(",")]
     else:
         sizes = SIZES
+    out = pathlib.Path(a.out)
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    partial = out / "data" / "gpu.partial.json"
     results = []
     for m, n in sizes:
         t0 = time.perf_counter()
@@ -427,9 +515,7 @@ def main(argv=None):
                                   tuning=a.tuning and (m, n) in ((1024, 1024), (4096, 4096),
                                                                (4096, 11008), (48, 64))))
         _log(f"size {m}x{n} done in {time.perf_counter() - t0:.1f} s")
-        pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
-        (pathlib.Path(a.out) / f"{a.name}.partial.json").write_text(
-            json.dumps(results, indent=1, default=str))
+        atomic_write_json(partial, results)    # what is measured so far, should a size fail
     try:
         kern, nt = NC.kernel_variant("float32", 16, 16, False, True)
         meta["threads"] = nt
@@ -441,18 +527,11 @@ def main(argv=None):
         lines = [ln.strip() for ln in open(a.pytest_log).read().splitlines() if ln.strip()]
         cand = [ln for ln in lines if (" passed" in ln or " failed" in ln) and " in " in ln]
         pytest_line = cand[-1] if cand else (lines[-1] if lines else "")
-    out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps(
-        {"meta": meta, "results": results,
-         "command": command, "pytest": pytest_line}, indent=1, default=str))
-    png = str(out / f"{a.name}.png")
-    try:
-        plot(results, png)
-    except Exception as exc:  # no matplotlib: the page still gets written
-        _log("plot failed:", exc)
-        png = ""
-    write_page(results, out / f"{a.name}.md", png, command, pytest_line, meta)
+    data = {"meta": meta, "results": results, "command": command, "pytest": pytest_line}
+    atomic_write_json(out / DATA, data)
+    os.unlink(partial)
+    _plot_quietly(results, out / PLOT)
+    _log("wrote", write_page(data, out), "and", out / DATA)
     _log("")
     _log("size         floor    wavefront  recursive  antidiag   (ms, float32)")
     for r in results:

@@ -8,25 +8,29 @@ tile 16, 2 bits, two-sided, per-item quantizers):
 * ``floor``: the floor products ``G_Oᵀ W G_I`` of every item, summed (numpy or cupy, same
   dtype): what any exact method pays.
 
-Modes (each writes one page into ``--out``, default ``docs/benchmarks``, with its command):
+Each mode writes its section of the page ``stacks.md`` in ``--out`` (default
+``docs/benchmarks``; ``bakron.benchmarks._page``: the rest of the page is kept), with the date,
+the machine and the command; ``--name`` gives a run a section of its own (e.g. a second size).
+Modes and their sections:
 
 * default: the entries above interleaved round by round in this process (a change of the
   machine's load hits them alike); ``--workers 1,2`` lists the stack's thread counts;
-  writes ``stack-cpu.md``;
+  section ``stacks-cpu``;
 * ``--threads 1,4,16``: one fresh process per thread count ``t`` with
   ``OPENBLAS_NUM_THREADS = NUMBA_NUM_THREADS = t``; each measures one by one (BLAS and numba
   on ``t`` threads), the stack on 1 worker and on ``t`` workers (1 thread each), and the floor;
-  writes ``stack-threads.md`` (``--label`` names a variant of the engine being measured);
+  section ``stacks-cpu-threads`` (``--label`` names a variant of the engine measured);
 * ``--gpu``: cupy arrays on the current device (TF32 off unless ``--tf32``): one by one, the
   stack with the cuda engine's stack hook off (``stack, items``: one item after the other)
   and on (``stack, antidiagonal``, ``stack, wavefront``, ``stack, auto``: every launch over
-  all items), and the floor; writes ``stack-h200.md`` (``--name`` to rename);
+  all items), and the floor; section ``stacks-gpu``;
 * ``--gpu --block``: the seven linears of a Llama-3-8B block through
   ``bakron.quantize_layers`` (what the runners call) against their summed floor products;
-  writes ``stack-h200-block.md``;
+  section ``stacks-gpu-block``;
 * ``--gpu --suite``: the same for the workloads of ``GPU_SUITE`` (64 × 1024², an MoE block
-  128 × 768×2048 and 128 × 2048×768, 64 × 256²) in one process; writes one table,
-  ``stack-h200-suite.md``.
+  128 × 768×2048 and 128 × 2048×768, 64 × 256²) in one process; section
+  ``stacks-gpu-suite``, and its results ``data/stacks-gpu-suite.json``, from which
+  ``--render data/stacks-gpu-suite.json`` rewrites the section without measuring.
 """
 from __future__ import annotations
 
@@ -40,11 +44,14 @@ import sys
 
 import numpy as np
 
-from .._lib.fs import atomic_path
+from .._lib.fs import atomic_write_json
+from ._page import page_command, today, write_section
 from .cpu import interleaved
 
 __all__ = ["main", "make_stack", "run_point", "GPU_SUITE", "llama_block_layers"]
 
+#: the page of every mode
+PAGE = "stacks.md"
 #: the GPU workloads of ``--gpu --suite``: (B, m, n)
 GPU_SUITE = ((64, 1024, 1024), (128, 768, 2048), (128, 2048, 768), (64, 256, 256))
 
@@ -190,53 +197,114 @@ def _table(point) -> list[str]:
     return lines
 
 
+def _shape(B, m, n) -> str:
+    return f"{B} × {m}²" if m == n else f"{B} × {m}×{n}"
+
+
 def _gpu_suite(args, command) -> int:
     """``--gpu --suite``: every workload of ``GPU_SUITE``, one row each."""
     import cupy
 
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    body = ["| workload | one by one | stack, items | stack, antidiagonal | stack, wavefront | "
-            "stack, auto | summed floor | auto ÷ one by one | auto ÷ floor | best stack ÷ "
-            "floor | auto ran | identical | entries ≠ auto |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    raw = {}
+    points = {}
     for B, m, n in GPU_SUITE:
         p = run_point(B, m, n, tile=args.tile, bits=args.bits, dtype=args.dtype,
                       workers=(1,), repeats=args.repeats, budget=args.budget, gpu=True,
                       engine=args.engine)
-        raw[f"{B}x{m}x{n}"] = p
-        med = p["median"]
-        one, floor, auto = med["one by one"], med["floor"], med["stack, auto"]
-        best = min(med["stack, antidiagonal"], med["stack, wavefront"], auto)
-        ran = p["info"].get("stack_run") or p["stack"]["path"]
-        ms = " | ".join(f"{med[k] * 1e3:.1f} ms" for k in (
-            "one by one", "stack, items", "stack, antidiagonal", "stack, wavefront",
-            "stack, auto"))
-        body.append(f"| {B} × {m}×{n} | {ms} | {floor * 1e3:.2f} ms | {auto / one:.2f}× | "
-                    f"{auto / floor:.2f}× | {best / floor:.2f}× | {p['method']}: {ran} | "
-                    f"{p['identical']} | {p['differ_from_auto']} |")
-        print(body[-1], flush=True)
+        points[f"{B}x{m}x{n}"] = p
+        print(f"{B} x {m}x{n}: " + ", ".join(f"{k} {v * 1e3:.2f} ms"
+                                             for k, v in p["median"].items()), flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
-    intro = [f"Stacks of layers on {dev}: {args.dtype}, tile {args.tile}, {args.bits}-bit, "
-             f"two-sided, per-item quantizers (cupy, engine {args.engine}, TF32 "
-             f"{'on' if args.tf32 else 'off'}).", "", f"Command: `{command}`", "",
-             "Entries, medians of interleaved rounds: *one by one*: `bakron.solve` per item "
-             "(method auto); *stack, items*: `bakron.solve` on the stack with the cuda "
-             "engine's stack hook off (`STACK = False`: the items one after the other, the "
-             "path before the one-launch kernel); *stack, antidiagonal* / *wavefront*: the "
-             "stack with that method (one launch over every item / per coarse step one "
-             "launch and batched GEMMs over every item); *stack, auto*: what "
-             "`bakron.solve` runs on the stack (`stack_method` decides); "
-             "*summed floor*: `G_Oᵀ W G_I` of every item. *identical*: every item of the "
-             "auto stack equals its single solve of the method the stack ran, bitwise; "
-             "*entries ≠ auto*: entries that differ from the single solves of method auto "
-             "(float32 near-ties between methods)."]
-    name = args.name or "stack-h200-suite"
-    _write(os.path.join(args.out, name + ".md"),
-           "Stacks of layers on the GPU: the one-launch path", intro, body)
-    with atomic_path(os.path.join(args.out, name + ".json")) as t:
-        t.write_text(json.dumps(raw, indent=1, default=str))
+    data = {"mode": "gpu-suite", "key": args.name or "stacks-gpu-suite", "date": today(),
+            "machine": f"one {dev}, TF32 {'on' if args.tf32 else 'off'}, on a host with "
+                       f"{_machine(load=False)}",
+            "command": command, "dtype": args.dtype, "tile": args.tile, "bits": args.bits,
+            "engine": args.engine, "points": points}
+    _save(args.out, data["key"], data)
+    _publish(args.out, data["key"], suite_section(data))
     return 0
+
+
+#: the columns of the suite's table: label, entry of ``run_point``'s medians
+_SUITE_COLUMNS = (("one by one", "one by one"), ("stack, items", "stack, items"),
+                  ("stack, anti-diagonal", "stack, antidiagonal"),
+                  ("stack, wavefront", "stack, wavefront"), ("stack, auto", "stack, auto"))
+
+
+def suite_section(data: dict) -> str:
+    """The section of ``--gpu --suite`` from its results (``data/stacks-gpu-suite.json``)."""
+    pts = data["points"]
+    shapes = {k: tuple(int(v) for v in k.split("x")) for k in pts}
+    L = [f"Measured on {data['date']}. Machine: {data['machine']}. {data['dtype']}, tile "
+         f"{data['tile']}, {data['bits']}-bit, engine {data['engine']}. Command:", "",
+         f"```bash\n{page_command(data['command'])}\n```", "",
+         f"Times in ms (the raw rows: `data/{data['key']}.json`):", "",
+         "| workload | " + " | ".join(c for c, _ in _SUITE_COLUMNS) + " | summed floor | "
+         "auto ÷ one by one | auto ÷ floor | identical |",
+         "|---|" + "---:|" * (len(_SUITE_COLUMNS) + 3) + "---|"]
+    for k, p in pts.items():
+        med = p["median"]
+        auto, floor = med["stack, auto"], med["floor"]
+        L.append(f"| {_shape(*shapes[k])} | "
+                 + " | ".join(f"{med[e] * 1e3:.1f}" for _, e in _SUITE_COLUMNS)
+                 + f" | {floor * 1e3:.2f} | {auto / med['one by one']:.2f}× | "
+                 f"**{auto / floor:.2f}×** | {p['identical']} |")
+    ran = sorted({f"the {p['info'].get('method', p['method'])}"
+                  + (f" with coarse blocks of {p['info']['base']} tiles"
+                     if p["info"].get("base") else "") for p in pts.values()})
+    differ = [str(p["differ_from_auto"]) for p in pts.values()]
+    L += ["", "- *one by one*: `bakron.solve` per item (method auto); *stack, items*: the stack "
+          "with the cuda engine's stack hook off (the items one after the other); *stack, "
+          "anti-diagonal*: one launch over every item's tiles; *stack, wavefront*: per coarse "
+          "step one launch over every item's blocks and each feedback GEMM one batched cuBLAS "
+          "call over the items; *stack, auto*: what `bakron.solve` runs on the stack (here "
+          + " and ".join(ran) + ").",
+          "- *identical*: every item of the auto stack equals its single solve of the same "
+          "method bitwise. Against the single solves of method `auto` float32 entries differ "
+          "on near-ties: " + (", ".join(differ[:-1]) + " and " if len(differ) > 1 else "")
+          + differ[-1] + " entries."]
+    moe = [k for k, (B, m, n) in shapes.items() if (B, m, n) in ((128, 768, 2048),
+                                                              (128, 2048, 768))]
+    ratios = {k: pts[k]["median"]["stack, auto"] / pts[k]["median"]["floor"]
+              for k in pts if k not in moe}
+    if len(moe) == 2:
+        auto = sum(pts[k]["median"]["stack, auto"] for k in moe)
+        floor = sum(pts[k]["median"]["floor"] for k in moe)
+        ratios["the MoE block"] = auto / floor
+        L.append(f"- The MoE block (its two stacks of 128 items together: {auto * 1e3:.1f} ms "
+                 f"against a summed floor of {floor * 1e3:.1f} ms) takes {auto / floor:.2f}× "
+                 "the floor.")
+    met = sum(r <= SUITE_TARGET for r in ratios.values())
+    L.append(f"- Target auto ÷ floor ≤ {SUITE_TARGET:g}× per workload (the MoE block's two "
+             f"stacks as one): met for {met} of {len(ratios)}.")
+    return "\n".join(_wrap(x) for x in L)
+
+
+#: the suite's target: a stack's solve at most this many times its summed floor
+SUITE_TARGET = 2.0
+
+
+def _wrap(line: str) -> str:
+    """A prose line of a section in lines of at most 95 characters (tables and code as
+    they are; list items keep their hanging indent)."""
+    import textwrap
+
+    if not line or line.startswith(("|", "`", "#")) or len(line) <= 95:
+        return line
+    indent = "  " if line.startswith("- ") else ""
+    return textwrap.fill(line, 95, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def _save(out: str, key: str, data: dict) -> None:
+    """A run's results, ``data/KEY.json`` beside the page."""
+    os.makedirs(os.path.join(out, "data"), exist_ok=True)
+    atomic_write_json(os.path.join(out, "data", key + ".json"), data)
+
+
+def _publish(out: str, key: str, text: str) -> None:
+    path = write_section(os.path.join(out, PAGE), key, text, title="Stack benchmarks")
+    print("wrote", path, "section", key, flush=True)
 
 
 #: a Llama-3-8B decoder block (hidden 4096, 8 KV heads of 128, MLP 14336): (name, m, n,
@@ -262,6 +330,10 @@ def llama_block_layers(rng, dtype="float32") -> list:
         del X
     return [(rng.standard_normal((m, n), dtype=np.float32).astype(dtype), hess[hin], hess[hout])
             for _, m, n, hin, hout in LLAMA3_8B_BLOCK]
+
+
+#: the block's target: its solves at most this many times the summed floor
+BLOCK_TARGET = 1.5
 
 
 def _gpu_block(args, command) -> int:
@@ -313,27 +385,35 @@ def _gpu_block(args, command) -> int:
     body = ["| block | quantize_layers wall | of which solves | summed floor | wall ÷ floor | "
             "solves ÷ floor |", "|---|---:|---:|---:|---:|---:|",
             f"| Llama-3-8B (7 linears) | {wall * 1e3:.1f} ms | {solve * 1e3:.1f} ms | "
-            f"{fl * 1e3:.2f} ms | {wall / fl:.2f}× | {solve / fl:.2f}× |"]
+            f"{fl * 1e3:.2f} ms | {wall / fl:.2f}× | {solve / fl:.2f}× |", "",
+            f"Target for the solves ≤ {BLOCK_TARGET:g}×: "
+            f"{'met' if solve / fl <= BLOCK_TARGET else 'missed'}."]
     print("\n".join(body), flush=True)
     intro = [f"The seven linears of a Llama-3-8B block (q, o: 4096²; k, v: 1024×4096; gate, "
              f"up: 14336×4096; down: 4096×14336), {args.dtype}, tile {args.tile}, "
              f"{args.bits}-bit, two-sided, on {dev} (cupy, engine {args.engine}, TF32 "
              f"{'on' if args.tf32 else 'off'}), through `bakron.quantize_layers` with "
              f"`metrics=\"none\"` (factor preparation from the Hessians, same-shape layers "
-             f"solved as one stack).", "", f"Command: `{command}`", "",
+             f"solved as one stack).", "",
              f"Stacks solved: {'; '.join(stacks)}. *of which solves*: the stacks' solve times "
              f"(`seconds_solve` summed); the rest of the wall time prepares the factors "
              f"(damping, Cholesky, inverse) and fits the grids. *summed floor*: `G_Oᵀ W G_I` "
              f"of the seven shapes. Medians of {args.repeats} rounds."]
-    _write(os.path.join(args.out, (args.name or "stack-h200-block") + ".md"),
-           "A Llama-3-8B block through the runner on the GPU", intro, body)
+    _write(args, "stacks-gpu-block", "A Llama-3-8B block through the runner on the GPU",
+           intro, body, command, {"wall_s": walls, "solves_s": solves, "floor_s": floors,
+                                  "stacks": stacks})
     return 0
 
 
-def _write(path, title, intro, body):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with atomic_path(path) as tmp:
-        tmp.write_text("\n".join([f"# {title}", "", *intro, "", *body, ""]))
+def _write(args, key, title, intro, body, command, raw):
+    """Publish a mode's section ``key`` (``--name`` instead, when given) of the page, its
+    heading ``title``, with the date and the command; ``raw``, the measurements, goes to
+    ``data/KEY.json`` beside it."""
+    key = args.name or key
+    _save(args.out, key, {"mode": key, "date": today(), "command": command, "raw": raw})
+    text = [f"### {title}", "", f"Measured on {today()}. " + intro[0], *intro[1:], "",
+            "Command:", "", f"```bash\n{page_command(command)}\n```", "", *body]
+    _publish(args.out, key, "\n".join(_wrap(x) for x in text))
 
 
 def _threads_point(args) -> dict:
@@ -365,10 +445,21 @@ def main(argv=None) -> int:
                     help="with --gpu: every workload of GPU_SUITE, one table")
     ap.add_argument("--block", action="store_true",
                     help="with --gpu: a Llama-3-8B block through quantize_layers")
-    ap.add_argument("--name", default=None, help="page name (default by mode)")
+    ap.add_argument("--name", default=None,
+                    help="the run's section of the page and its data file (default by mode)")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="measure nothing: rewrite the section of --gpu --suite in --out from "
+                         "its results (data/stacks-gpu-suite.json)")
     ap.add_argument("--out", default=os.path.join("docs", "benchmarks"))
     ap.add_argument("--point", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if data.get("mode") != "gpu-suite":
+            ap.error(f"--render {args.render}: not the results of --gpu --suite")
+        _publish(args.out, data["key"], suite_section(data))
+        return 0
     command = "python -m bakron.bench_stack " + " ".join(shlex.quote(a) for a in (
         sys.argv[1:] if argv is None else argv))
     size = f"{args.B} × {args.m}×{args.n}"
@@ -403,12 +494,12 @@ def main(argv=None) -> int:
             print(body[-1], flush=True)
         label = f" ({args.label})" if args.label else ""
         intro = [f"Stack of {shape}, CPU thread counts{label}.", "",
-                 f"Command: `{command}`", "", f"Machine: {_machine()}.", "",
+                 f"Machine: {_machine()}.", "",
                  "One fresh process per thread count t (`OPENBLAS_NUM_THREADS` = "
                  "`NUMBA_NUM_THREADS` = t); medians of interleaved rounds. *identical*: the "
                  "stack's values equal the one-by-one solves bitwise."]
-        _write(os.path.join(args.out, (args.name or "stack-threads") + ".md"),
-               f"Stacks of layers on CPU threads: {size}{label}", intro, body)
+        _write(args, "stacks-cpu-threads", f"Stacks of layers on CPU threads: {size}{label}",
+               intro, body, command, raw)
         return 0
 
     if args.gpu:
@@ -426,11 +517,10 @@ def main(argv=None) -> int:
         dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
         intro = [f"Stack of {shape} on {dev} (cupy, engine {p['engine']}, method "
                  f"{p['method']}, TF32 {'on' if args.tf32 else 'off'}).", "",
-                 f"Command: `{command}`", "",
                  f"Stack path: {p['stack']['path']}; identical to one by one: "
                  f"{p['identical']}; medians of {max(p['runs'].values())} interleaved rounds."]
-        _write(os.path.join(args.out, (args.name or "stack-h200") + ".md"),
-               f"Stacks of layers on the GPU: {size}", intro, _table(p))
+        _write(args, "stacks-gpu", f"Stacks of layers on the GPU: {size}", intro, _table(p),
+               command, p)
         print("\n".join(_table(p)))
         return 0
 
@@ -440,13 +530,13 @@ def main(argv=None) -> int:
                   workers=workers, repeats=args.repeats, budget=args.budget)
     load1 = os.getloadavg()[0]
     intro = [f"Stack of {shape} (engine {p['engine']}, method {p['method']}).", "",
-             f"Command: `{command}`", "", f"Machine: {_machine(load=False)}; load average "
+             f"Machine: {_machine(load=False)}; load average "
              f"{load0:.1f} at start, {load1:.1f} at the end.", "",
              f"Stack path with {workers[-1]} worker(s): {p['stack']['path']}; identical to "
              f"one by one: {p['identical']}; "
              f"medians of {max(p['runs'].values())} interleaved rounds."]
-    _write(os.path.join(args.out, (args.name or "stack-cpu") + ".md"),
-           f"Stacks of layers on the CPU: {size}", intro, _table(p))
+    _write(args, "stacks-cpu", f"Stacks of layers on the CPU: {size}", intro, _table(p),
+           command, p)
     print("\n".join(_table(p)))
     return 0
 
