@@ -176,8 +176,10 @@ def run(model, sequences, texts=(), *, timeout=300) -> dict:
         spec, out = Path(d) / "spec.json", Path(d) / "out.npz"
         spec.write_text(json.dumps({"model": str(model), "texts": list(texts),
                                     "sequences": [[int(t) for t in s] for s in sequences]}))
+        # GGML_NO_BACKTRACE: on an abort, ggml would otherwise attach gdb for a backtrace
+        env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
         r = subprocess.run([sys.executable, __file__, str(spec), str(out)], capture_output=True,
-                           text=True, timeout=timeout)
+                           text=True, timeout=timeout, env=env)
         if r.returncode != 0:
             tail = "\n".join(r.stderr.strip().splitlines()[-5:])
             raise AssertionError(f"llama.cpp failed on {model} (exit status {r.returncode}):"

