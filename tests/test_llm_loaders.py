@@ -49,10 +49,19 @@ def tiny_weights(cfg, seed=0):
     return out
 
 
-def reference_logits(cfg, w, ids):
-    """Plain float64 Llama/Qwen3 forward, one head at a time (no bakron code)."""
+def reference_logits(cfg, w, ids, *, linear=None, attention_round=None):
+    """Plain float64 Llama/Qwen3 forward, one head at a time (no bakron code).
+
+    ``linear(name, h, W)``, when given, replaces the product ``h @ W.T`` of the weight
+    ``name`` (e.g. with llama.cpp's 8-bit rounding of ``h``); ``attention_round(a)`` rounds
+    the rotated q and k, v, and the attention probabilities (e.g. to float16, as llama.cpp's
+    K/V cache)."""
     w = {k: np.asarray(v, dtype=np.float64) for k, v in w.items()}
     T, H, K, hd, eps = len(ids), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps
+    ar = attention_round or (lambda a: a)
+
+    def lin(h, name):
+        return h @ w[name].T if linear is None else linear(name, h, w[name])
 
     def rms(v, g):
         return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * g
@@ -71,27 +80,26 @@ def reference_logits(cfg, w, ids):
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
         h = rms(x, w[b + "attn_norm.weight"])
-        q = (h @ w[b + "attn_q.weight"].T).reshape(T, H, hd)
-        k = (h @ w[b + "attn_k.weight"].T).reshape(T, K, hd)
-        v = (h @ w[b + "attn_v.weight"].T).reshape(T, K, hd)
+        q = lin(h, b + "attn_q.weight").reshape(T, H, hd)
+        k = lin(h, b + "attn_k.weight").reshape(T, K, hd)
+        v = ar(lin(h, b + "attn_v.weight").reshape(T, K, hd))
         if cfg.qk_norm:
             q, k = rms(q, w[b + "attn_q_norm.weight"]), rms(k, w[b + "attn_k_norm.weight"])
-        q = q * cos[:, None] + rot(q) * sin[:, None]
-        k = k * cos[:, None] + rot(k) * sin[:, None]
+        q = ar(q * cos[:, None] + rot(q) * sin[:, None])
+        k = ar(k * cos[:, None] + rot(k) * sin[:, None])
         o = np.zeros((T, H, hd))
         for j in range(H):
             g = j // (H // K)
             s = q[:, j] @ k[:, g].T / math.sqrt(hd)
             s[np.triu_indices(T, 1)] = -np.inf
             p = np.exp(s - s.max(axis=1, keepdims=True))
-            o[:, j] = (p / p.sum(axis=1, keepdims=True)) @ v[:, g]
-        x = x + o.reshape(T, H * hd) @ w[b + "attn_output.weight"].T
+            o[:, j] = ar(p / p.sum(axis=1, keepdims=True)) @ v[:, g]
+        x = x + lin(o.reshape(T, H * hd), b + "attn_output.weight")
         h = rms(x, w[b + "ffn_norm.weight"])
-        a = h @ w[b + "ffn_gate.weight"].T
-        x = x + ((a / (1.0 + np.exp(-a))) * (h @ w[b + "ffn_up.weight"].T)) @ \
-            w[b + "ffn_down.weight"].T
+        a = lin(h, b + "ffn_gate.weight")
+        x = x + lin((a / (1.0 + np.exp(-a))) * lin(h, b + "ffn_up.weight"), b + "ffn_down.weight")
     x = rms(x, w["output_norm.weight"])
-    return x @ w["token_embd.weight" if cfg.tie_embeddings else "output.weight"].T
+    return lin(x, "token_embd.weight" if cfg.tie_embeddings else "output.weight")
 
 
 def _byte_alphabet():

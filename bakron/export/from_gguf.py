@@ -3,7 +3,9 @@
 :func:`gguf_to_hf` writes ``config.json`` (:meth:`~bakron.models.llm.LlamaConfig.to_hf`),
 ``model.safetensors`` under the Hugging Face tensor names, ``tokenizer.json``,
 ``tokenizer_config.json`` and ``generation_config.json``. Tensors stored as F32, F16 or BF16
-keep their type and bits; quantized tensors (Q4_0, Q8_0, the K-quants, ...) are stored as the
+keep their type and bits, except the F32 vectors (norms) of a model whose matrices are F16 or
+BF16, which are stored in the matrices' type where that is exact (llama.cpp's converter and
+:func:`~bakron.export.gguf_source_from_hf` widen them to F32); quantized tensors (Q4_0, Q8_0, the K-quants, ...) are stored as the
 float32 values the ``gguf`` package de-quantizes them to. The rows of ``attn_q`` / ``attn_k``
 of ``llama`` files are put back into the Hugging Face order with the LLM loader's own
 permutation (:func:`bakron.models.llm.gguf_file.unpermute_rows`).
@@ -73,6 +75,29 @@ def _hf_tensors(path, model):
     return out
 
 
+def _narrow_vectors(tensors, dtype):
+    """``tensors`` with each F32 vector (a norm: llama.cpp's converter keeps them in F32 in a
+    16-bit model) stored as ``dtype`` (the matrices' F16 or BF16) where that is exact, so a
+    Hugging Face folder converted to GGUF and back has its own tensor types again."""
+    if dtype == "F32":
+        return tensors
+    out = dict(tensors)
+    for name, (a, d) in tensors.items():
+        if d != "F32" or a.ndim != 1:
+            continue
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if dtype == "BF16":
+            bits = a.view(np.uint32)
+            if not np.any(bits & 0xFFFF):
+                out[name] = ((bits >> 16).astype(np.uint16), "BF16")
+        else:
+            with np.errstate(over="ignore"):
+                h = a.astype(np.float16)
+            if np.array_equal(h.astype(np.float32), a):
+                out[name] = (h, "F16")
+    return out
+
+
 def _tokenizer_files(model) -> dict:
     """{file name: JSON-able dict or text} of the tokenizer the GGUF metadata describes."""
     tok, cfg, meta = model.tokenizer, model.config, model.metadata
@@ -115,6 +140,8 @@ def gguf_to_hf(gguf_path, out_dir) -> Path:
     tensors = _hf_tensors(src, model)
     mats = Counter(d for a, d in tensors.values() if a.ndim == 2)
     config["torch_dtype"] = _TORCH_DTYPES[mats.most_common(1)[0][0]] if mats else "float32"
+    if mats:
+        tensors = _narrow_vectors(tensors, mats.most_common(1)[0][0])
     gen = {k: v for k, v in (("bos_token_id", cfg.bos_id), ("eos_token_id", cfg.eos_id))
            if v is not None}
     tok_files = _tokenizer_files(model) if model.tokenizer is not None else {}

@@ -1,8 +1,10 @@
 """A float GGUF file from a Hugging Face folder (what llama.cpp's ``convert_hf_to_gguf.py``
 writes for ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``), as the source of the GGUF exports.
 
-:func:`gguf_source_from_hf` writes every tensor in its stored type (F32, F16, BF16, same
-bits) under its GGUF name, the rows of ``attn_q`` / ``attn_k`` of ``llama`` models in
+:func:`gguf_source_from_hf` writes every matrix in its stored type (F32, F16, BF16, same
+bits) and every vector (the RMSNorm weights) as F32 (exact, as llama.cpp's converter does:
+its CPU kernels have no F16/BF16 form of the norm's multiply and abort on such a file)
+under its GGUF name, the rows of ``attn_q`` / ``attn_k`` of ``llama`` models in
 llama.cpp's rotary layout (the LLM loader's :func:`~bakron.models.llm.gguf_file.permute_rows`),
 the architecture's hyper-parameters, Llama 3's RoPE scaling as llama.cpp's ``rope_freqs``
 tensor (:func:`rope_freqs`), and the tokenizer as ``tokenizer.ggml.*``
@@ -64,6 +66,9 @@ def _tensors(gguf, folder, cfg, raw):
     check_weights(cfg, {k: a for k, (a, _d) in named.items()}, source=str(folder))
     out = []
     for g, (arr, dtype) in named.items():
+        if arr.ndim == 1:   # norms: F32 (exact), as llama.cpp's converter writes them
+            out.append((g, np.ascontiguousarray(arr, dtype=np.float32), Q.F32))
+            continue
         a = as_stored(arr, dtype)
         if dtype == "F32":
             a = np.asarray(a, dtype=np.float32)
