@@ -410,6 +410,7 @@ class _Engine:
     def __init__(self, xp, body, head, seed, check):
         self.xp, self.body, self.head_stage = xp, body, head
         self.seed, self.check = seed, check
+        self.draws = _head_draws(head)   # gradient rows per position (copy-major, axis 0)
         self.shapes = None
         self.batch = 0
         self.inputs = self.mask = None
@@ -439,23 +440,30 @@ class _Engine:
         self.heads += 1
         d = self.head_stage.grad(self.xp, z, HeadContext(self.batch, self.seed, self.inputs,
                                                          self.mask))
-        if tuple(d.shape) != tuple(z.shape):
+        want = (self.draws * z.shape[0],) + tuple(z.shape[1:])
+        if tuple(d.shape) != want:
             raise ValueError(f"head {stage_label(self.head_stage)} returned a gradient of shape "
-                             f"{tuple(d.shape)} for logits of shape {tuple(z.shape)}")
+                             f"{tuple(d.shape)} for logits of shape {tuple(z.shape)} "
+                             f"({self.draws} row(s) per position: {want})")
         self._check(d, f"gradient: the loss gradient of head {stage_label(self.head_stage)}")
         return d
 
     def vjp(self, i, h, d, need):
         self.vjps += 1
         stage = self.body[i]
+        if self.draws > 1:   # one VJP over all the head's rows: the input repeated per row
+            h = self.xp.concat([h] * self.draws, axis=0)
         r = stage.vjp(self.xp, h, d, self.collect_for(i), need_input_grad=need)
         if self.vjp_done is not None:
             self.vjp_done()
         if need:
-            if r is None or tuple(r.shape) != self.shapes[i]:
+            want = self.shapes[i]
+            if self.draws > 1:
+                want = (self.draws * want[0],) + tuple(want[1:])
+            if r is None or tuple(r.shape) != want:
                 raise ValueError(f"stage {stage_label(stage, i)}: vjp returned "
                                  f"{'None' if r is None else tuple(r.shape)}, expected a "
-                                 f"gradient of shape {self.shapes[i]}")
+                                 f"gradient of shape {want}")
             self._check(r, f"gradient: ∂loss/∂(input of stage {stage_label(stage, i)})")
             return r
         return None
@@ -467,6 +475,15 @@ class _Engine:
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
+def _head_draws(head) -> int:
+    """The head's gradient rows per position (``draws``, default 1)."""
+    k = getattr(head, "draws", 1)
+    if isinstance(k, bool) or int(k) != k or k < 1:
+        raise ValueError(f"head {stage_label(head)}: draws must be a positive integer, got "
+                         f"{k!r}")
+    return int(k)
+
+
 def _as_batches(calib_inputs, batch_size):
     if hasattr(calib_inputs, "shape"):
         if batch_size is None:
@@ -804,6 +821,10 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     t0 = time.perf_counter()
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
                  accum_dtype, weights, refine, refine_iters, layers, products)
+    if _head_draws(P["head"]) > 1 and int(refine_iters):
+        raise ValueError(f"head {stage_label(P['head'])} back-propagates "
+                         f"{_head_draws(P['head'])} label rows per position, which only the "
+                         f"K-FAC pass supports: use refine_iters=0 with it")
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
@@ -994,6 +1015,7 @@ class _Run:
                 check_pair(i, name, x, g)
                 m, n = P["layer_shapes"][name]
                 w_tok = state["w_tok"]
+                R = self.eng.draws
                 seq = _step != "kfac" and self.refine == "sequence"
                 if not seq:
                     # the rows of x once per distinct input (q/k/v and gate/up read one x):
@@ -1001,16 +1023,22 @@ class _Run:
                     sh = state["shared"]
                     if sh is not None and sh[0] is x:
                         xs, gram = sh[1], sh[2]
-                    else:
-                        xs, gram = self._rows(x, n), None
+                    else:   # with R label rows per position, x is repeated R times: once
+                        xs, gram = self._rows(x[:x.shape[0] // R] if R > 1 else x, n), None
                         state["shared"] = sh = [x, xs, None]
-                    g = self._rows(g, m)
+                    if R == 1:
+                        g = self._rows(g, m)
+                    else:
+                        g3 = xp.reshape(g, (R, -1, m))
+                        g = xp.concat([self._rows(g3[r, ...], m) for r in range(R)], axis=0)
                 if _step == "kfac":
                     if gram is None:
                         sh[2] = _accs[name][0]._update(xp, xs, w_tok, products=prod, keep=True)
                     else:
                         _accs[name][0].add_product(*gram)
-                    _accs[name][1]._update(xp, g, w_tok, products=prod)
+                    # H_out: the mean over the R rows of each position (weights repeated)
+                    _accs[name][1]._update(xp, g, w_tok if R == 1 else state["w_rows"],
+                                           products=prod)
                     return
                 if not seq:
                     # x_tᵀ H x_t >= 0 for the positive semi-definite factor H; clamping the
@@ -1035,6 +1063,9 @@ class _Run:
             def on_batch(k):
                 state["w"], state["mask"] = P["weights"][k], P["masks"][k]
                 state["w_tok"], state["sel"] = self._batch_rows(k)
+                w_tok, R = state["w_tok"], self.eng.draws
+                state["w_rows"] = (None if w_tok is None or R == 1
+                                   else xp.concat([w_tok] * R, axis=0))
                 state["shared"] = None
 
             self.eng.collect = collect
