@@ -135,6 +135,40 @@ def test_true_labels_spelled_as_a_string_and_errors():
     for bad in ("sample:0", "fisher:", "fisher:x", "fisher:-2", "sample: 3", "gold", "fisher"):
         with pytest.raises(ValueError, match="labels"):
             bh.LMHead(W, labels=bad)
-    batches, _ = bh.pad_batches(seqs, batch_size=2)
-    with pytest.raises(ValueError, match="only the K-FAC pass"):
-        bh.global_factors(_chain(w, labels="fisher:2"), batches, refine_iters=1)
+
+
+@pytest.mark.parametrize("refine", ["token", "sequence"])
+def test_refinement_with_all_labels_is_the_exact_expectation(refine):
+    """One refinement step with "fisher:V" on one-token sequences against the naive float64
+    expectation over the labels: H_out' = E[(xᵀ H_in x) g gᵀ] / ‖H_in‖², then
+    H_in' = E[(gᵀ H_out' g) x xᵀ] / ‖H_out'‖² (one token per sequence: both refinements agree)."""
+    w = _weights(60)
+    seqs = _seqs([1] * 4, 61)
+    terms = {}   # key -> [(p_y, x, g)]
+    for s in seqs:
+        ids = np.asarray([s])
+        chain = _chain(w, labels=None)
+        h = ids
+        for st in chain[:-1]:
+            h = st.forward(np, h)
+        p = np.exp(chain[-1].log_softmax(np, h))[0, 0]
+        for y in range(V):
+            _, rows, _ = _run_chain(np, _chain(w, labels=[np.asarray([[y]])]), ids)
+            for key, (X, G) in rows.items():
+                terms.setdefault(key, []).append((p[y], X.reshape(-1), G.reshape(-1)))
+    batches, _ = bh.pad_batches(seqs, batch_size=3)
+    # one token: the scores of q and k have no gradient (a single key), so their H_out is 0
+    keys = [k for k in terms if not k.endswith(("attn_q", "attn_k"))]
+    fac = bh.global_factors(_chain(w, labels=f"fisher:{V}"), batches, refine_iters=1,
+                            refine=refine, seed=2, layers=keys)[0]
+    assert sorted(fac) == sorted(keys)
+    N = len(seqs)
+    for key in keys:
+        ts = terms[key]
+        Hi0 = sum(p * np.outer(x, x) for p, x, g in ts) / sum(p for p, _, _ in ts)
+        Ho1 = sum(p * (x @ Hi0 @ x) * np.outer(g, g) for p, x, g in ts) / (
+            N * np.sum(Hi0 * Hi0))
+        Hi1 = sum(p * (g @ Ho1 @ g) * np.outer(x, x) for p, x, g in ts) / (
+            N * np.sum(Ho1 * Ho1))
+        np.testing.assert_allclose(fac[key][1], Ho1, rtol=1e-8, atol=1e-12 * np.abs(Ho1).max())
+        np.testing.assert_allclose(fac[key][0], Hi1, rtol=1e-8, atol=1e-12 * np.abs(Hi1).max())

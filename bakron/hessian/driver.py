@@ -821,10 +821,6 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     t0 = time.perf_counter()
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
                  accum_dtype, weights, refine, refine_iters, layers, products)
-    if _head_draws(P["head"]) > 1 and int(refine_iters):
-        raise ValueError(f"head {stage_label(P['head'])} back-propagates "
-                         f"{_head_draws(P['head'])} label rows per position, which only the "
-                         f"K-FAC pass supports: use refine_iters=0 with it")
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
@@ -955,6 +951,12 @@ class _Run:
                              f"(its token mask)")
         return x[sel]
 
+    def _copies(self, x, n, R):
+        """``x`` of ``R`` stacked copies of the batch as (rows, n), each copy's padded rows left
+        out (copy-major, like the head's label rows)."""
+        x3 = self.xp.reshape(x, (R, -1, n))
+        return self.xp.concat([self._rows(x3[r, ...], n) for r in range(R)], axis=0)
+
     def leaf(self, node):
         xp, P = self.xp, self.P
         a, b = node.start, node.stop
@@ -1023,22 +1025,24 @@ class _Run:
                     sh = state["shared"]
                     if sh is not None and sh[0] is x:
                         xs, gram = sh[1], sh[2]
-                    else:   # with R label rows per position, x is repeated R times: once
-                        xs, gram = self._rows(x[:x.shape[0] // R] if R > 1 else x, n), None
+                    else:   # with R label rows per position x is repeated R times: K-FAC's
+                        # H_in takes it once, a refinement step pairs every copy with its g
+                        xs = (self._rows(x, n) if R == 1 else
+                              self._rows(x[:x.shape[0] // R], n) if _step == "kfac" else
+                              self._copies(x, n, R))
+                        gram = None
                         state["shared"] = sh = [x, xs, None]
-                    if R == 1:
-                        g = self._rows(g, m)
-                    else:
-                        g3 = xp.reshape(g, (R, -1, m))
-                        g = xp.concat([self._rows(g3[r, ...], m) for r in range(R)], axis=0)
+                    g = self._rows(g, m) if R == 1 else self._copies(g, m, R)
+                    if R > 1:
+                        w_tok = state["w_rows"]
                 if _step == "kfac":
                     if gram is None:
-                        sh[2] = _accs[name][0]._update(xp, xs, w_tok, products=prod, keep=True)
+                        sh[2] = _accs[name][0]._update(xp, xs, state["w_tok"], products=prod,
+                                                       keep=True)
                     else:
                         _accs[name][0].add_product(*gram)
                     # H_out: the mean over the R rows of each position (weights repeated)
-                    _accs[name][1]._update(xp, g, w_tok if R == 1 else state["w_rows"],
-                                           products=prod)
+                    _accs[name][1]._update(xp, g, w_tok, products=prod)
                     return
                 if not seq:
                     # x_tᵀ H x_t >= 0 for the positive semi-definite factor H; clamping the
@@ -1053,12 +1057,13 @@ class _Run:
                 H_in, H_out = current[name]
                 B = x.shape[0]
                 X3, G3 = xp.reshape(x, (B, -1, n)), xp.reshape(g, (B, -1, m))
+                w_seq = state["w"]   # R label rows: the R copies of each sequence averaged
+                if R > 1 and w_seq is not None:
+                    w_seq = xp.concat([w_seq] * R, axis=0)
                 if _step == "refine_out":
-                    _accs[name]._update_sequences(xp, G3, sequence_mix(xp, X3, H_in),
-                                                  state["w"])
+                    _accs[name]._update_sequences(xp, G3, sequence_mix(xp, X3, H_in), w_seq)
                 else:
-                    _accs[name]._update_sequences(xp, X3, sequence_mix(xp, G3, H_out),
-                                                  state["w"])
+                    _accs[name]._update_sequences(xp, X3, sequence_mix(xp, G3, H_out), w_seq)
 
             def on_batch(k):
                 state["w"], state["mask"] = P["weights"][k], P["masks"][k]
