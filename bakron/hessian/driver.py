@@ -779,7 +779,9 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     refine : {"token", "sequence"}
         Per-token (``E[(xᵀH_I x) g gᵀ]``) or per-sequence (``E[G_s H_I G_sᵀ]``) refinement.
     seed : int
-        Seed of the head's label draws (per batch: ``(seed, batch index)``).
+        Seed of the head's label draws (per batch: ``(seed, batch index)``). A head with
+        ``draws = R`` label rows per position (``LMHead(labels="fisher:K")``) makes every VJP
+        one pass over ``R`` times the rows; ``H_out`` is the mean over the rows.
     weights : list, optional
         One array per batch: ``(B,)`` per sample or ``(B, T)`` per token (non-negative); the
         first stage's token mask multiplies them.
