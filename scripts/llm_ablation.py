@@ -119,10 +119,10 @@ def collect_part(args, lm, xp, seqs, labels, out):
     if args.blocks:
         keep = {int(b) for b in args.blocks.split(",")}
         layers = [n for n in lm.linear_names() if int(n.split(".")[1]) in keep]
-    global_factors(lm.stages(labels), batches, refine_iters=0, seed=args.part, sink=sink,
-                   accum_dtype=np.float32, layers=layers)
+    global_factors(lm.stages(labels), batches, refine_iters=0, seed=args.seed + args.part,
+                   sink=sink, accum_dtype=np.float32, layers=layers)
     meta = {"part": args.part, "parts": args.parts, "folds": args.folds, "fold": fold,
-            "labels": args.labels, "load": os.getloadavg(),
+            "labels": args.labels, "seed": args.seed + args.part, "load": os.getloadavg(),
             "seqs": idx.tolist(), "tokens": int(sum(len(seqs[i]) for i in idx)),
             "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
     (out / f"meta-part{args.part}.json").write_text(json.dumps(meta))
@@ -490,6 +490,8 @@ def main(argv=None):
     c.add_argument("--out", required=True)
     c.add_argument("--labels", type=_labels_arg, default="sample",
                    help="label estimator of H_out: sample, sample:K, fisher:K or true")
+    c.add_argument("--seed", type=int, default=0, help="label seed of part 0 (part p: "
+                   "seed + p)")
     c.add_argument("--blocks", default=None, help="collect only these blocks' layers "
                    "(comma-separated; with --part)")
     c.add_argument("--draws", type=int, default=1)
