@@ -377,7 +377,7 @@ def table(args):
     print("| bits | method | Lee news KL ± s.e. | ÷ LDLQ | held-out docs KL ± s.e. | ÷ LDLQ "
           "| solve CPU (s) |")
     print("|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["bits"], r["variant"])):
+    for r in sorted(rows, key=lambda r: (r["bits"], r["variant"], r["factors"])):
         cells = []
         for k in ("lee", "docs"):
             if f"{k}_kl" not in r:
@@ -386,7 +386,9 @@ def table(args):
             cells.append(f"{r[f'{k}_kl']:.3f} ± {r[f'{k}_kl_text_sem']:.3f}")
             base = ref.get(r["bits"])
             cells.append(f"{r[f'{k}_kl'] / base[f'{k}_kl']:.2f}" if base else "")
-        print(f"| {r['bits']} | {r['variant']} | " + " | ".join(cells)
+        method = r["variant"] if len({q["factors"] for q in rows}) == 1 else \
+            f"{r['variant']} ({Path(r['factors']).name})"
+        print(f"| {r['bits']} | {method} | " + " | ".join(cells)
               + f" | {r.get('solve_cpu', r['solve_seconds']):.0f} |")
 
 
@@ -425,6 +427,9 @@ def variance(args):
         fold_tokens = meta["tokens"] // 2
         names = sorted({f.name.split(".p")[0] for f in (Path(est) / "fold0").glob("*.npz")},
                        key=lambda n: lm.linear_names().index(n))
+        if args.blocks:
+            keep = {int(b) for b in args.blocks.split(",")}
+            names = [n for n in names if int(n.split(".")[1]) in keep]
         for name in names:
             W = np.asarray(lm.linear_weight(name), np.float32)
             F = fold_factors(est, name)
@@ -523,6 +528,7 @@ def main(argv=None):
     va.add_argument("--factors", nargs="+", required=True, help="one collection per estimator")
     va.add_argument("--ref", required=True, help="the collection whose held-out fold scores")
     va.add_argument("--bits", nargs="+", type=int, default=[3])
+    va.add_argument("--blocks", default=None, help="comma-separated blocks (default all)")
     va.add_argument("--out", required=True)
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
