@@ -203,6 +203,7 @@ def solve_variant(W, F, bits, v, tokens, tile=(16, 16)):
     if H_out is not None:
         if v.get("auto"):
             kw["shrink_out"], kw["damp_out"] = auto_regularization(H_out.shape[0], tokens)
+            kw["shrink_out"] = min(1.0, kw["shrink_out"] * v.get("c", 1.0))
         else:
             kw["shrink_out"] = v.get("shrink", 0.0)
             kw["damp_out"] = v.get("damp_out", 0.01)
@@ -219,6 +220,8 @@ VARIANTS = {
     **{f"global-s{a}": {"factors": "global", "shrink": a / 100} for a in (25, 50, 75, 90)},
     **{f"global-d{d}": {"factors": "global", "damp_out": d / 100} for d in (10, 30, 100)},
     "global-auto": {"factors": "global", "auto": True},
+    **{f"global-auto-c{c}": {"factors": "global", "auto": True, "c": c / 100}
+       for c in (25, 50, 200)},
     "local_in-auto": {"factors": "local_in", "auto": True},
     **{f"{k}-inc": {**v, "incoherence": 0} for k, v in (
         ("rtn", {"factors": "rtn"}), ("ldlq", {"factors": "input"}),
