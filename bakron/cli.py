@@ -312,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--calib", default="builtin", metavar="FILE|builtin|generated+docs",
                     help="calibration text: builtin (the Python Language Reference of the "
                          "stdlib), generated+docs (half sampled from the model, half the "
-                         "Language Reference), generated, or a UTF-8 file, one document per "
-                         "paragraph")
+                         "Language Reference; sampled text makes up the rest when the "
+                         "Language Reference runs out), generated, or a UTF-8 file, one "
+                         "document per paragraph")
     cs = qm.add_mutually_exclusive_group()
     cs.add_argument("--calib-seqs", type=_positive_int, default=None, metavar="N",
                     help="calibration sequences (default 32)")

@@ -73,6 +73,12 @@ __all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_s
 
 FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
 FACTORS = ("rtn", "input", "global", "input+global-out")
+#: calibration sequences per Hessian batch on a GPU: on an H200 a SmolLM2 K-FAC pass ran at
+#: about 2,900 tokens/s with batches of 8 sequences of 128 tokens and 18,700 with 128
+#: (docs/benchmarks/hessian-gpu.md); 256 x 128 tokens plan about 7 GB
+GPU_BATCH_SIZE = 256
+#: sequences generated together on a GPU (a step's cost hardly grows with the batch)
+GPU_GENERATE_BATCH = 1024
 _GGUF_BITS = {"gguf-q4_0": 4, "gguf-q4_1": 4, "gguf-q8_0": 8}
 _RUN_FILE = "run.json"
 _VERSION = 2   # 2: layers keyed on full hashes of the weights
@@ -486,7 +492,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
                    calib_len: int = 128, memory_budget: int | None = None,
                    device: str | None = None, tile=(16, 16), damp: float = 0.01,
                    damp_out="auto", shrink_out: float | None = None, seed: int = 0,
-                   labels: str = "sample", batch_size: int = 8, cache=None, wheel=None,
+                   labels: str = "sample", batch_size: int | None = None, cache=None,
+                   wheel=None,
                    progress: bool = True, keep_weights: bool = False,
                    scheduler: str | None = None, gpus: int | None = None, client=None,
                    retries: int = 2, _after_layer=None, incoherence: int | None = None) -> dict:
@@ -540,8 +547,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
         output Fisher from its ``K`` most probable labels plus a remainder row, or the next
         token. ``K`` label rows cost about ``K`` times the backward passes. Only the factors
         ``global`` and ``input+global-out`` use ``H_out``; the others ignore it.
-    batch_size : int
-        Calibration sequences per batch of the Hessian passes.
+    batch_size : int, optional
+        Calibration sequences per batch of the Hessian passes (default: 8 on the CPU,
+        :data:`GPU_BATCH_SIZE` on a GPU, where a pass needs large GEMMs to be fast).
     cache, wheel
         Cache folder and local wheel of a named model (:func:`bakron.models.load_llm`).
     progress : bool
@@ -584,10 +592,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
     grid = _grid_settings(fmt, bits, group_size, sym)
     if factors not in FACTORS:
         raise InputError(f"factors must be one of {', '.join(FACTORS)}, got {factors!r}")
-    calib_seqs, calib_len, batch_size = (
+    calib_seqs, calib_len = (
         _checked(check_int, v, name, minimum=lo) for name, v, lo in (
-            ("calib_seqs", calib_seqs, 1), ("calib_len", calib_len, 2),
-            ("batch_size", batch_size, 1)))
+            ("calib_seqs", calib_seqs, 1), ("calib_len", calib_len, 2)))
+    if batch_size is not None:
+        batch_size = _checked(check_int, batch_size, "batch_size", minimum=1)
     if memory_budget is not None:
         memory_budget = _checked(check_int, memory_budget, "memory_budget", minimum=1,
                                  what="a positive number of bytes")
@@ -662,6 +671,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
         from .models import load_llm
 
         xp, dev = namespace(device)
+        on_cpu = _xp.is_numpy(xp)
+        if batch_size is None:
+            batch_size = 8 if on_cpu else GPU_BATCH_SIZE
         seconds = {}
         t0 = time.perf_counter()
         _say(progress, f"loading {model} ...")
@@ -691,7 +703,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
 
                 seqs = calibration_ids(lm, calib_seqs * calib_len, mix=calib,
                                        seq_len=calib_len, seed=int(seed), docs=docs,
-                                       cache=cache, progress=progress)
+                                       cache=cache, progress=progress,
+                                       batch_size=64 if on_cpu else GPU_GENERATE_BATCH)
             else:
                 seqs = calibration_sequences(lm, docs, calib_seqs, calib_len)
             if not seqs:
@@ -895,7 +908,7 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
         from .hessian.cost import announce
 
         _say(progress, announce(lm.stages(), seqs, passes=1 + 2 * refine,
-                                batch_size=batch_size))
+                                batch_size=batch_size, xp=xp))
     _, rep = global_factors(lm.stages(options.get("labels")), batches, refine_iters=refine,
                             refine=options["refine"],
                             seed=options["seed"], budget_bytes=memory_budget, layers=todo,

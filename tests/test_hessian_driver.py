@@ -301,6 +301,14 @@ def test_non_finite_activation_and_gradient_are_named():
         bh.global_factors(stages, [X, Xbad])
 
 
+def test_non_finite_checks_counted_per_batch_name_the_same_stage(monkeypatch):
+    """On a GPU the checks are counted on the device and read once per batch: the error names
+    the first non-finite stage as the per-stage check does."""
+    monkeypatch.setattr(bh.driver, "_defer_checks", lambda xp: True)
+    with np.errstate(all="ignore"):   # the later stages now run on the NaN (cupy: silently)
+        test_non_finite_activation_and_gradient_are_named()
+
+
 def test_budget_too_small_is_a_clear_error_and_nothing_is_written(net):
     stages, batches = net
     calls = []

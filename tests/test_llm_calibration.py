@@ -104,6 +104,13 @@ def test_the_mix(tiny, tmp_path):
         tiny, reference_split(0)[0], 7, 20)
     own = cal.calibration_ids(tiny, 40, "docs", seq_len=10, docs=["one two three four five."])
     assert own and all(len(s) <= 10 for s in own)
+    # documents that run out: generated sequences make up the count asked for
+    short = ["one two three."]
+    few = calibration_sequences(tiny, short, 10, 10)
+    filled = cal.calibration_ids(tiny, 100, seq_len=10, docs=short, cache=c)
+    assert len(few) < 5 and len(filled) == 10
+    assert filled[10 - len(few):] == few
+    assert filled[:10 - len(few)] == cal.generated_sequences(tiny, 10 - len(few), 10, cache=c)
 
 
 @pytest.mark.parametrize("kw, msg", [

@@ -176,3 +176,23 @@ def test_report_cells_escape_markdown():
 
     assert demo._cell("a|b\nc`d") == "a\\|b⏎ c\\`d"
     assert demo._cell("") == "(nothing: the end-of-text token)"
+
+
+@pytest.mark.parametrize("greedy, temperature", [(False, 1.0), (False, 0.7), (True, 1.0)])
+def test_device_choice_equals_the_host_choice(greedy, temperature):
+    """The choice a GPU namespace makes where the logits are (only the ids copied back) draws
+    the same uniforms and inverts the same CDF as the host path: the same tokens here, where
+    both sums are numpy's (array-api-strict stands in for the device namespace)."""
+    xps = pytest.importorskip("array_api_strict")
+    from bakron.models.llm.generate import _choose, _choose_on_device
+
+    rng = np.random.default_rng(0)
+    logits = (3 * rng.standard_normal((64, 500))).astype(np.float32)
+    host = _choose(logits, [np.random.default_rng((5, i)) for i in range(64)], greedy,
+                   temperature)
+    dev = _choose_on_device(xps, xps.asarray(logits),
+                            [np.random.default_rng((5, i)) for i in range(64)], greedy,
+                            temperature)
+    assert isinstance(dev, np.ndarray) and dev.shape == (64,)
+    assert dev.tolist() == host.tolist()
+    assert len(set(dev.tolist())) > 10          # the draws really vary

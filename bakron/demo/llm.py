@@ -448,7 +448,7 @@ class _Run:
 
             log(True, "      " + announce(self.lm.stages(), self.cal_seqs,
                                           passes=1 + 2 * self.refine_iters,
-                                          batch_size=self.batch_size))
+                                          batch_size=self.batch_size, xp=xp))
         self.clock.start()
         acc = getattr(xp, self.accum_dtype)
         _, rep = global_factors(self.lm.stages(), self.cal_batches, progress=bool(self.progress),

@@ -102,27 +102,37 @@ def pass_flops(g: dict) -> dict:
 
 
 def gemm_rate(n: int = 1024, k: int = 576, m: int = 1536, dtype="float32",
-              repeats: int = 3) -> float:
+              repeats: int = 3, xp=None) -> float:
     """This machine's GEMM rate now (FLOP/s): the median of ``repeats`` products of an
-    ``(n, k)`` by ``(k, m)`` pair of random matrices, after one warm-up."""
+    ``(n, k)`` by ``(k, m)`` pair of random matrices, after one warm-up, in the namespace
+    ``xp`` (default numpy; a GPU namespace is synchronised around each product)."""
+    from .. import _xp
+
     rng = np.random.default_rng(0)
     A = rng.standard_normal((n, k)).astype(dtype)
     B = rng.standard_normal((k, m)).astype(dtype)
+    if xp is not None and not _xp.is_numpy(xp):
+        A, B = xp.asarray(A), xp.asarray(B)
+    else:
+        xp = np
     A @ B
+    _xp.sync(xp)
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         A @ B
+        _xp.sync(xp)
         ts.append(time.perf_counter() - t0)
     return 2.0 * n * k * m / max(float(np.median(ts)), 1e-9)
 
 
 def estimate_seconds(stages, tokens: int, *, passes: int, seq_len: int = 128,
-                     batch_tokens: int = 1024, refine: bool = True, rate=None) -> float:
+                     batch_tokens: int = 1024, refine: bool = True, rate=None,
+                     xp=None) -> float:
     """Predicted wall time of ``passes`` passes over ``tokens`` calibration tokens
     (the first a K-FAC pass, the others refinement passes when ``refine``): the passes'
-    FLOPs at ``rate`` (default: :func:`gemm_rate` measured now on the chain's hidden size)
-    times :data:`OVERHEAD`."""
+    FLOPs at ``rate`` (default: :func:`gemm_rate` measured now on the chain's hidden size,
+    in ``xp``) times :data:`OVERHEAD`."""
     if passes <= 0 or tokens <= 0:
         return 0.0
     rows = min(int(tokens), int(batch_tokens))
@@ -131,12 +141,12 @@ def estimate_seconds(stages, tokens: int, *, passes: int, seq_len: int = 128,
     f = pass_flops(g)
     if rate is None:
         k = max((n for _, n in g["layers"]), default=576)
-        rate = gemm_rate(n=rows, k=min(k, 4096), m=min(4 * k, 8192))
+        rate = gemm_rate(n=rows, k=min(k, 4096), m=min(4 * k, 8192), xp=xp)
     per_token = (f["kfac"] + (passes - 1) * (f["refine"] if refine else f["kfac"])) / rows
     return OVERHEAD * per_token * int(tokens) / rate
 
 
-def announce(stages, seqs, *, passes: int, batch_size: int) -> str:
+def announce(stages, seqs, *, passes: int, batch_size: int, xp=None) -> str:
     """``"global Hessians: 3 passes over 16,384 calibration tokens, about 6 min on this
     machine"``: the line a command prints before it collects (``seqs``: the token lists)."""
     from .progress import format_duration
@@ -144,6 +154,6 @@ def announce(stages, seqs, *, passes: int, batch_size: int) -> str:
     tokens = sum(len(s) for s in seqs)
     T = max((len(s) for s in seqs), default=1)
     est = estimate_seconds(stages, tokens, passes=passes, seq_len=T,
-                           batch_tokens=max(1, batch_size) * T)
+                           batch_tokens=max(1, batch_size) * T, xp=xp)
     return (f"global Hessians: {passes} pass{'es' if passes != 1 else ''} over {tokens:,} "
             f"calibration tokens, about {format_duration(est)} on this machine")

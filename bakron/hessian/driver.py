@@ -406,6 +406,12 @@ def _walk(node):
 # --------------------------------------------------------------------------------------------
 # the real engine
 # --------------------------------------------------------------------------------------------
+def _defer_checks(xp) -> bool:
+    """Whether the finiteness checks of a pass are counted on the device and read once per
+    batch (cupy: a host round trip per stage would stall the GPU)."""
+    return _xp.is_cupy(xp)
+
+
 class _Engine:
     def __init__(self, xp, body, head, seed, check):
         self.xp, self.body, self.head_stage = xp, body, head
@@ -417,15 +423,34 @@ class _Engine:
         self.collect = None
         self.vjp_done = None      # called after each stage's vjp (drops per-stage caches)
         self.evals = self.vjps = self.heads = 0
+        self.pending = []         # (what, device count of non-finite entries), see flush()
 
     def nbytes(self, x):
         return math.prod(x.shape) * _itemsize(self.xp, x.dtype)
 
     def _check(self, x, what):
-        if self.check and not bool(self.xp.all(self.xp.isfinite(x))):
-            bad = int(self.xp.sum(self.xp.astype(~self.xp.isfinite(x), self.xp.int64)))
-            raise ValueError(f"non-finite {what} on calibration batch {self.batch}: {bad} NaN "
-                             f"or Inf entr{'y' if bad == 1 else 'ies'}")
+        if not self.check:
+            return
+        xp = self.xp
+        if _defer_checks(xp):   # count on the device; flush() looks once per batch
+            self.pending.append((what, xp.sum(xp.astype(~xp.isfinite(x), xp.int64))))
+        elif not bool(xp.all(xp.isfinite(x))):
+            self._raise_nonfinite(what, int(xp.sum(xp.astype(~xp.isfinite(x), xp.int64))))
+
+    def _raise_nonfinite(self, what, bad):
+        raise ValueError(f"non-finite {what} on calibration batch {self.batch}: {bad} NaN "
+                         f"or Inf entr{'y' if bad == 1 else 'ies'}")
+
+    def flush(self):
+        """Raise for the first non-finite array of this batch that :meth:`_check` counted on
+        the device (one host round trip per batch instead of one per stage)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        counts = _xp.to_numpy(self.xp.stack([c for _, c in pending]))
+        for (what, _), bad in zip(pending, counts):
+            if bad:
+                self._raise_nonfinite(what, int(bad))
 
     def forward(self, i, h):
         self.evals += 1
@@ -887,6 +912,7 @@ class _Run:
                 out_h.append(h)
             d = _reverse(eng, led, c, b, h, self._d(b, k), rec.schedule, rec.snapshots, c > a)
             del h
+            eng.flush()
             if d is not None:
                 led.move("act", "cache", eng.nbytes(d))
                 out_d.append(d)
@@ -932,9 +958,11 @@ class _Run:
         lead = tuple(P["shapes"][k][0]) if P["ids"] else tuple(P["shapes"][k][0][:-1])
         if mask is None:
             return _token_weights(xp, w, lead), None
-        sel = xp.reshape(mask, (-1,))
-        w_tok = None if w is None else _token_weights(xp, w, lead, mask)[sel]
-        return w_tok, sel
+        # the real rows as indices, found once per batch (a boolean selection in every layer
+        # would be a host round trip per layer on a GPU)
+        sel = xp.nonzero(xp.reshape(mask, (-1,)))[0]
+        w_tok = None if w is None else xp.take(_token_weights(xp, w, lead, mask), sel, axis=0)
+        return w_tok, (sel, math.prod(mask.shape))
 
     def _rows(self, x, n):
         """``x`` as (rows, n), the padded rows left out."""
@@ -947,11 +975,12 @@ class _Run:
                                  f"{x.shape[0]} rows, but the batch's weights cover "
                                  f"{w.shape[0]} rows (its batch axes)")
             return x
-        if sel.shape[0] != x.shape[0]:
+        idx, positions = sel
+        if positions != x.shape[0]:
             raise ValueError(f"calibration batch {self.eng.batch}: a stage collected "
-                             f"{x.shape[0]} rows, but the batch has {sel.shape[0]} positions "
+                             f"{x.shape[0]} rows, but the batch has {positions} positions "
                              f"(its token mask)")
-        return x[sel]
+        return self.xp.take(x, idx, axis=0)
 
     def _copies(self, x, n, R):
         """``x`` of ``R`` stacked copies of the batch as (rows, n), each copy's padded rows left
@@ -974,6 +1003,8 @@ class _Run:
         state = {"w": None, "mask": None, "w_tok": None, "sel": None, "shared": None}
         self._state = state
         prod = P["products"]
+        # on a GPU the collected rows are checked with the stages' outputs, once per batch
+        defer = _defer_checks(xp) and self.eng.check
 
         def key_of(i, key):
             return f"stage{i}" if key is None else key
@@ -1034,27 +1065,31 @@ class _Run:
                               self._copies(x, n, R))
                         gram = None
                         state["shared"] = sh = [x, xs, None]
+                        if defer:
+                            self.eng._check(xs, f"input of layer {name!r}")
                     g = self._rows(g, m) if R == 1 else self._copies(g, m, R)
+                    if defer:
+                        self.eng._check(g, f"output gradient of layer {name!r}")
                     if R > 1:
                         w_tok = state["w_rows"]
                 if _step == "kfac":
                     if gram is None:
                         sh[2] = _accs[name][0]._update(xp, xs, state["w_tok"], products=prod,
-                                                       keep=True)
+                                                       keep=True, check=not defer)
                     else:
                         _accs[name][0].add_product(*gram)
                     # H_out: the mean over the R rows of each position (weights repeated)
-                    _accs[name][1]._update(xp, g, w_tok, products=prod)
+                    _accs[name][1]._update(xp, g, w_tok, products=prod, check=not defer)
                     return
                 if not seq:
                     # x_tᵀ H x_t >= 0 for the positive semi-definite factor H; clamping the
                     # rounding below 0 keeps the update a symmetric rank-k one (√c_t y_t)
                     if _step == "refine_out":
                         c = xp.maximum(token_quadratic(xp, xs, _fixed[name]), 0.0)
-                        _accs[name]._update(xp, g, w_tok, c, products=prod)
+                        _accs[name]._update(xp, g, w_tok, c, products=prod, check=not defer)
                     else:
                         c = xp.maximum(token_quadratic(xp, g, _fixed[name]), 0.0)
-                        _accs[name]._update(xp, xs, w_tok, c, products=prod)
+                        _accs[name]._update(xp, xs, w_tok, c, products=prod, check=not defer)
                     return
                 H_in, H_out = current[name]
                 B = x.shape[0]

@@ -194,7 +194,8 @@ def calibration_ids(lm, n_tokens: int = 4096, mix: str = "generated+docs", *,
         Language Reference's calibration topics) tokenized and laid end to end with EOS
         between them, cut into ``seq_len`` pieces (fewer when the text runs out);
         ``generated+docs``: ``generated_share`` of the sequences (rounded up) generated, the
-        rest from the documents. Generated sequences come first.
+        rest from the documents; when the documents run out, generated sequences make up
+        the count. Generated sequences come first.
     seed : int
         Seed of the generated part (the documents' part does not depend on it).
     docs : list of str, optional
@@ -213,14 +214,15 @@ def calibration_ids(lm, n_tokens: int = 4096, mix: str = "generated+docs", *,
         raise ValueError(f"generated_share must lie in [0, 1], got {generated_share!r}")
     n_seqs = max(1, round(n_tokens / seq_len))
     n_gen = {"generated": n_seqs, "docs": 0}.get(mix, math.ceil(share * n_seqs))
+    doc_seqs = _doc_sequences(lm, docs, n_seqs - n_gen, seq_len) if n_seqs > n_gen else []
+    if mix == "generated+docs":   # documents that run out: generated text makes up the rest
+        n_gen = n_seqs - len(doc_seqs)
     out: list[list[int]] = []
     if n_gen:
         out += generated_sequences(lm, n_gen, seq_len, seed=seed, cache=cache,
                                    use_cache=use_cache, batch_size=batch_size,
                                    progress=progress)
-    if n_seqs > n_gen:
-        out += _doc_sequences(lm, docs, n_seqs - n_gen, seq_len)
-    return out
+    return out + doc_seqs
 
 
 def calibration_sequences(lm, docs, n_seqs: int, seq_len: int) -> list[list[int]]:

@@ -167,6 +167,23 @@ def _choose(logits, rngs, greedy, temperature):
     return np.minimum(y, logits.shape[-1] - 1)
 
 
+def _choose_on_device(xp, logits, rngs, greedy, temperature):
+    """:func:`_choose` for device logits ``(B, V)`` (cupy and other non-numpy namespaces):
+    the same uniforms (one per row from the row's generator), the inverse CDF computed where
+    the logits are, and only the ``B`` chosen ids copied to the host. The float64 sums may
+    round differently from numpy's, so a draw can differ from the host path's when a
+    uniform falls within rounding of a CDF step."""
+    if greedy:
+        return _xp.to_numpy(xp.argmax(logits, axis=-1))
+    z = xp.astype(logits, xp.float64) / temperature
+    z = z - xp.max(z, axis=-1, keepdims=True)
+    cdf = xp.cumulative_sum(xp.exp(z), axis=-1)
+    u = np.array([r.random() for r in rngs])
+    thr = xp.asarray(u, device=_xp.device(logits))[:, None] * cdf[:, -1:]
+    y = xp.sum(xp.astype(cdf <= thr, xp.int64), axis=-1)
+    return np.minimum(_xp.to_numpy(y), logits.shape[-1] - 1)
+
+
 def generate(lm, prompts, max_new_tokens: int, *, temperature: float = 1.0,
              greedy: bool = False, seed: int = 0, stop=None, batch_size: int = 16,
              return_logits: bool = False):
@@ -268,7 +285,20 @@ def _generate_batch(lm, seqs, ids, n_new, stops, rngs, greedy, temperature, keep
     last = xp.asarray(lengths - 1, **devkw)
     z_last = xp.take_along_axis(z, xp.reshape(last, (B, 1, 1)) * xp.ones(
         (1, 1, z.shape[-1]), dtype=last.dtype, **devkw), axis=1)       # (B, 1, d)
-    logits = _xp.to_numpy(head.logits(xp, z_last))[:, 0, :]
+    # numpy (or logits kept for the caller): choose on the host; else on the device, so that
+    # a step copies B token ids instead of B x vocab logits
+    on_device = not (_xp.is_numpy(xp) or keep_logits)
+
+    def step_logits(z):
+        lg = head.logits(xp, z)[:, 0, :]
+        return lg if on_device else _xp.to_numpy(lg)
+
+    def choose(lg):
+        if on_device:
+            return _choose_on_device(xp, lg, rngs, greedy, temperature)
+        return _choose(lg, rngs, greedy, temperature)
+
+    logits = step_logits(z_last)
 
     new = [[] for _ in range(B)]
     kept = [[] for _ in range(B)]
@@ -276,7 +306,7 @@ def _generate_batch(lm, seqs, ids, n_new, stops, rngs, greedy, temperature, keep
     pos = lengths.copy()             # where each row's next token goes
     rows = xp.asarray(np.arange(B, dtype=np.int64), **devkw)
     for step in range(n_new):
-        y = _choose(logits, rngs, greedy, temperature)
+        y = choose(logits)
         for b in range(B):
             if done[b]:
                 continue
@@ -294,7 +324,7 @@ def _generate_batch(lm, seqs, ids, n_new, stops, rngs, greedy, temperature, keep
         tok_x, pos_x = xp.asarray(tok[:, None], **devkw), xp.asarray(p, **devkw)
         z = _walk(lm, tok_x, cache,
                   lambda a, h, s: _attention_step(xp, a, h, cache, s, pos_x, rows))
-        logits = _xp.to_numpy(head.logits(xp, z))[:, 0, :]
+        logits = step_logits(z)
         pos = np.where(done, pos, pos + 1)
     lgs = [np.stack(k) if k else np.zeros((0, logits.shape[-1]), logits.dtype) for k in kept]
     return new, lgs
