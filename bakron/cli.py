@@ -175,6 +175,16 @@ def _damp_or_auto(text: str):
     return "auto" if text == "auto" else _damp(text)
 
 
+def _labels(text: str) -> str:
+    from .hessian.transformer import parse_labels
+
+    try:
+        parse_labels(text, 2 ** 31, "--labels")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--labels: ")) from None
+    return text
+
+
 def _fraction(text: str) -> float:
     try:
         v = float(text)
@@ -336,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--shrink-out", type=_fraction, default=None, metavar="S",
                     help="with a numeric --damp-out: shrink a global H_out toward its "
                          "diagonal, (1-S) H_out + S diag(H_out), S in [0, 1] (default 0)")
+    qm.add_argument("--labels", type=_labels, default="sample",
+                    metavar="sample|sample:K|fisher:K|true",
+                    help="estimator of a global H_out: one sampled label per token (default), "
+                         "K draws, the output Fisher from the K most probable labels, or the "
+                         "next token (docs/hessian.md)")
     qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
                     help="where the model and the solves run (default cpu, gpu with --gpus; "
                          "auto uses a GPU when cupy sees one)")
@@ -568,7 +583,8 @@ def _cmd_quantize_model(args) -> int:
                                 calib=args.calib, calib_seqs=_calib_seqs(args),
                                 calib_len=args.calib_len, memory_budget=args.memory_budget,
                                 device=device, damp=args.damp, damp_out=args.damp_out,
-                                shrink_out=args.shrink_out, progress=not args.quiet,
+                                shrink_out=args.shrink_out, labels=args.labels,
+                                progress=not args.quiet,
                                 scheduler=args.scheduler, gpus=args.gpus,
                                 **({} if args.incoherence is None
                                    else {"incoherence": args.incoherence}))

@@ -491,7 +491,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
                    sym: bool | None = None, calib="builtin", calib_seqs: int = 32,
                    calib_len: int = 128, memory_budget: int | None = None,
                    device: str | None = None, tile=(16, 16), damp: float = 0.01,
-                   damp_out="auto", shrink_out: float | None = None, seed: int = 0, batch_size: int | None = None, cache=None, wheel=None,
+                   damp_out="auto", shrink_out: float | None = None, seed: int = 0,
+                   labels: str = "sample", batch_size: int | None = None, cache=None,
+                   wheel=None,
                    progress: bool = True, keep_weights: bool = False,
                    scheduler: str | None = None, gpus: int | None = None, client=None,
                    retries: int = 2, _after_layer=None, incoherence: int | None = None) -> dict:
@@ -539,6 +541,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
         its shrinkage.
     seed : int
         Seed of the labels drawn for the Fisher.
+    labels : {"sample", "sample:K", "fisher:K", "true"}
+        Estimator of a global ``H_out`` (:class:`bakron.hessian.LMHead`; docs/hessian.md,
+        "Label estimators"): one label drawn per position (default), ``K`` draws, the exact
+        output Fisher from its ``K`` most probable labels plus a remainder row, or the next
+        token. ``K`` label rows cost about ``K`` times the backward passes. Only the factors
+        ``global`` and ``input+global-out`` use ``H_out``; the others ignore it.
     batch_size : int, optional
         Calibration sequences per batch of the Hessian passes (default: 8 on the CPU,
         :data:`GPU_BATCH_SIZE` on a GPU, where a pass needs large GEMMs to be fast).
@@ -593,6 +601,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
         memory_budget = _checked(check_int, memory_budget, "memory_budget", minimum=1,
                                  what="a positive number of bytes")
     seed = _checked(check_int, seed, "seed", minimum=0)
+    from .hessian.transformer import parse_labels
+
+    try:
+        parse_labels(labels, 2 ** 31, "quantize_model")
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     if incoherence is not None:
         from .incoherence import refusal
 
@@ -713,6 +727,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
                    "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
         if incoherence is not None:
             options["incoherence"] = incoherence
+        if labels != "sample" and factors not in ("rtn", "input"):   # default: the old key
+            options["labels"] = labels
         key = _config_key(grid, factors, options, seqs)
         content = layer_hashes if factors == "rtn" else dict.fromkeys(names, model_hash)
 
@@ -893,7 +909,8 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
 
         _say(progress, announce(lm.stages(), seqs, passes=1 + 2 * refine,
                                 batch_size=batch_size, xp=xp))
-    _, rep = global_factors(lm.stages(), batches, refine_iters=refine, refine=options["refine"],
+    _, rep = global_factors(lm.stages(options.get("labels")), batches, refine_iters=refine,
+                            refine=options["refine"],
                             seed=options["seed"], budget_bytes=memory_budget, layers=todo,
                             sink=sink, progress=bool(progress),
                             kfac_sink=keep_local if factors == "input+global-out" else None)

@@ -62,7 +62,7 @@ def collect(args):
     folds = np.array_split(np.arange(len(seqs)), args.folds)
     meta = {"tokens": int(sum(map(len, seqs))), "seqs": len(seqs), "labels": args.labels,
             "draws": args.draws, "folds": [f.tolist() for f in folds], "seconds": {}}
-    labels = None if args.labels == "sample" else "true"
+    labels = None if args.labels == "sample" else args.labels
     if args.part is not None:   # one part of a fold (K-FAC only: one pass), its own process
         return collect_part(args, lm, xp, seqs, labels, out)
     for k, idx in enumerate(folds):
@@ -115,9 +115,14 @@ def collect_part(args, lm, xp, seqs, labels, out):
         np.savez(tmp, kin=kin, kout=kout, **{"in": kin, "out": kout})
         os.replace(tmp, fdir / f"{name}.p{args.part}.npz")
 
-    global_factors(lm.stages(labels), batches, refine_iters=0, seed=args.part, sink=sink,
-                   accum_dtype=np.float32)
+    layers = None
+    if args.blocks:
+        keep = {int(b) for b in args.blocks.split(",")}
+        layers = [n for n in lm.linear_names() if int(n.split(".")[1]) in keep]
+    global_factors(lm.stages(labels), batches, refine_iters=0, seed=args.seed + args.part,
+                   sink=sink, accum_dtype=np.float32, layers=layers)
     meta = {"part": args.part, "parts": args.parts, "folds": args.folds, "fold": fold,
+            "labels": args.labels, "seed": args.seed + args.part, "load": os.getloadavg(),
             "seqs": idx.tolist(), "tokens": int(sum(len(seqs[i]) for i in idx)),
             "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
     (out / f"meta-part{args.part}.json").write_text(json.dumps(meta))
@@ -198,6 +203,7 @@ def solve_variant(W, F, bits, v, tokens, tile=(16, 16)):
     if H_out is not None:
         if v.get("auto"):
             kw["shrink_out"], kw["damp_out"] = auto_regularization(H_out.shape[0], tokens)
+            kw["shrink_out"] = min(1.0, kw["shrink_out"] * v.get("c", 1.0))
         else:
             kw["shrink_out"] = v.get("shrink", 0.0)
             kw["damp_out"] = v.get("damp_out", 0.01)
@@ -214,6 +220,8 @@ VARIANTS = {
     **{f"global-s{a}": {"factors": "global", "shrink": a / 100} for a in (25, 50, 75, 90)},
     **{f"global-d{d}": {"factors": "global", "damp_out": d / 100} for d in (10, 30, 100)},
     "global-auto": {"factors": "global", "auto": True},
+    **{f"global-auto-c{c}": {"factors": "global", "auto": True, "c": c / 100}
+       for c in (25, 50, 200)},
     "local_in-auto": {"factors": "local_in", "auto": True},
     **{f"{k}-inc": {**v, "incoherence": 0} for k, v in (
         ("rtn", {"factors": "rtn"}), ("ldlq", {"factors": "input"}),
@@ -372,7 +380,7 @@ def table(args):
     print("| bits | method | Lee news KL ± s.e. | ÷ LDLQ | held-out docs KL ± s.e. | ÷ LDLQ "
           "| solve CPU (s) |")
     print("|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["bits"], r["variant"])):
+    for r in sorted(rows, key=lambda r: (r["bits"], r["variant"], r["factors"])):
         cells = []
         for k in ("lee", "docs"):
             if f"{k}_kl" not in r:
@@ -381,8 +389,106 @@ def table(args):
             cells.append(f"{r[f'{k}_kl']:.3f} ± {r[f'{k}_kl_text_sem']:.3f}")
             base = ref.get(r["bits"])
             cells.append(f"{r[f'{k}_kl'] / base[f'{k}_kl']:.2f}" if base else "")
-        print(f"| {r['bits']} | {r['variant']} | " + " | ".join(cells)
+        method = r["variant"] if len({q["factors"] for q in rows}) == 1 else \
+            f"{r['variant']} ({Path(r['factors']).name})"
+        print(f"| {r['bits']} | {method} | " + " | ".join(cells)
               + f" | {r.get('solve_cpu', r['solve_seconds']):.0f} |")
+
+
+def _labels_arg(spec):
+    from bakron.hessian.transformer import parse_labels
+
+    try:
+        parse_labels(spec, 2 ** 31)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
+
+
+# -- variance of H_out per label estimator ---------------------------------------------------
+
+def _unit(H):
+    """``H`` scaled to mean diagonal 1 (the solver's normalisation)."""
+    return H / np.mean(np.diag(H))
+
+
+def variance(args):
+    """Per estimator and layer: the disagreement of the two folds' H_out (relative Frobenius
+    after normalising each to mean diagonal 1), and the held-out proxy relative to LDLQ's of
+    the two-sided solution from one fold's factors (no shrinkage, and the rule), scored on the
+    other fold with the reference estimator's factors (calibration data only)."""
+    from bakron.factors import auto_regularization
+    from bakron.layer import quantize_layer
+
+    xp, lm = _load()
+    ref = Path(args.ref)
+    rows = []
+    for est in args.factors:
+        meta = json.loads((Path(est) / "meta.json").read_text())
+        parts = [json.loads((Path(est) / f"meta-part{p}.json").read_text())
+                 for p in sorted(i for v in meta["parts"].values() for i in v)]
+        fold_tokens = meta["tokens"] // 2
+        names = sorted({f.name.split(".p")[0] for f in (Path(est) / "fold0").glob("*.npz")},
+                       key=lambda n: lm.linear_names().index(n))
+        if args.blocks:
+            keep = {int(b) for b in args.blocks.split(",")}
+            names = [n for n in names if int(n.split(".")[1]) in keep]
+        for name in names:
+            W = np.asarray(lm.linear_weight(name), np.float32)
+            F = fold_factors(est, name)
+            R = fold_factors(ref, name)
+            a, b = _unit(F["fold0"]["kout"]), _unit(F["fold1"]["kout"])
+            row = {"estimator": Path(est).name, "layer": name, "m": W.shape[0],
+                   "rel_frob": float(np.linalg.norm(a - b) / np.linalg.norm((a + b) / 2)),
+                   "pass_seconds": float(np.mean([p["seconds"] for p in parts])),
+                   "pass_cpu_seconds": float(np.mean([p["cpu_seconds"] for p in parts]))}
+            for bits in args.bits:
+                q = grid_of(W, bits)
+                for tr, te in (("fold0", "fold1"), ("fold1", "fold0")):
+                    Hi_te, Ho_te = R[te]["kin"], R[te]["kout"]
+                    E0 = np.asarray(quantize_layer(W, F[tr]["kin"], None, quantizer=q,
+                                                   metrics="none").values, np.float64) - W
+                    base = proxy(E0, Hi_te, Ho_te)
+                    H_out = F[tr]["kout"]
+                    for cand, kw in (("raw", {"shrink_out": 0.0, "damp_out": 0.01}),
+                                     ("rule", dict(zip(("shrink_out", "damp_out"),
+                                                       auto_regularization(W.shape[0],
+                                                                           fold_tokens))))):
+                        E = np.asarray(quantize_layer(W, F[tr]["kin"], H_out, quantizer=q,
+                                                      metrics="none", **kw).values,
+                                       np.float64) - W
+                        row.setdefault(f"proxy_{cand}_{bits}", []).append(
+                            proxy(E, Hi_te, Ho_te) / base)
+            for k in list(row):
+                if k.startswith("proxy_"):
+                    row[k] = float(np.exp(np.mean(np.log(row[k]))))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    variance_table(rows)
+
+
+def variance_table(rows):
+    """Per estimator and layer kind: the mean fold disagreement of H_out and the geometric
+    means of the held-out proxy ÷ LDLQ's (raw factor / the rule) over the layers; then all
+    layers."""
+    import collections
+
+    bits = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("proxy_")})
+    groups = collections.defaultdict(list)
+    for r in rows:
+        groups[(r["estimator"], r["layer"].rsplit(".", 1)[1])].append(r)
+        groups[(r["estimator"], "all layers")].append(r)
+    print("| estimator | layers | fold disagreement of H_out | "
+          + " | ".join(f"held-out proxy ÷ LDLQ's, {b} bits: raw / rule" for b in bits)
+          + " | seconds per pass of 2048 tokens, wall (CPU) |")
+    print("|---" * (4 + len(bits)) + "|")
+    gm = (lambda v: float(np.exp(np.mean(np.log(v)))))
+    for (est, kind), rs in sorted(groups.items(), key=lambda kv: kv[0][1] == "all layers"):
+        print(f"| {est} | {kind} ({len(rs)}) | {np.mean([r['rel_frob'] for r in rs]):.2f} | "
+              + " | ".join(f"{gm([r[f'proxy_raw_{b}'] for r in rs]):.2f} / "
+                           f"{gm([r[f'proxy_rule_{b}'] for r in rs]):.2f}" for b in bits)
+              + f" | {rs[0]['pass_seconds']:.0f} ({rs[0]['pass_cpu_seconds']:.0f}) |")
 
 
 def main(argv=None):
@@ -390,7 +496,12 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect")
     c.add_argument("--out", required=True)
-    c.add_argument("--labels", choices=("sample", "true"), default="sample")
+    c.add_argument("--labels", type=_labels_arg, default="sample",
+                   help="label estimator of H_out: sample, sample:K, fisher:K or true")
+    c.add_argument("--seed", type=int, default=0, help="label seed of part 0 (part p: "
+                   "seed + p)")
+    c.add_argument("--blocks", default=None, help="collect only these blocks' layers "
+                   "(comma-separated; with --part)")
     c.add_argument("--draws", type=int, default=1)
     c.add_argument("--seqs", type=int, default=32)
     c.add_argument("--seq-len", type=int, default=128)
@@ -412,17 +523,29 @@ def main(argv=None):
     v.add_argument("--shrinks", nargs="+", type=int, default=[0, 25, 50, 75, 90])
     v.add_argument("--damps", nargs="*", type=int, default=[100])
     v.add_argument("--out", required=True)
+    vs = sub.add_parser("variance-summary")
+    vs.add_argument("results", nargs="+")
     s = sub.add_parser("cv-summary")
     s.add_argument("results", nargs="+")
+    va = sub.add_parser("variance")
+    va.add_argument("--factors", nargs="+", required=True, help="one collection per estimator")
+    va.add_argument("--ref", required=True, help="the collection whose held-out fold scores")
+    va.add_argument("--bits", nargs="+", type=int, default=[3])
+    va.add_argument("--blocks", default=None, help="comma-separated blocks (default all)")
+    va.add_argument("--out", required=True)
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
+    if args.cmd == "variance-summary":
+        variance_table([r for f in args.results for r in json.loads(Path(f).read_text())])
+        return
     if args.cmd == "cv-summary":
         rows = [r for f in args.results for r in json.loads(Path(f).read_text())]
         summarize_cv(rows)
         summarize_kinds(rows)
         return
-    {"collect": collect, "run": run, "cv": cv, "table": table}[args.cmd](args)
+    {"collect": collect, "run": run, "cv": cv, "table": table,
+     "variance": variance}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ pytest.importorskip("tqdm")
 
 from bakron.cli import main  # noqa: E402
 from bakron.export import read_gptq  # noqa: E402
+from bakron.io import InputError  # noqa: E402
 from bakron.models import load_llm  # noqa: E402
 from bakron.quantize_model import (_decode, _fit_grid, _grid_settings,  # noqa: E402
                                    perplexity_and_kl, quantize_model,
@@ -294,6 +295,8 @@ def test_cli_interrupt_keeps_the_finished_layers(models, tmp_path, capsys, monke
     (("--format", "gptq",), 2, "not a multiple of 128"),   # a GGUF source converts; 32 inputs
     (("--calib", "/nonexistent/calib.txt",), 2, "no such file"),
     (("--memory-budget", "lots"), 2, "number of bytes"),
+    (("--labels", "fisher:0"), 2, "K must be a positive integer"),
+    (("--labels", "gold"), 2, "labels must be None, 'true', 'sample'"),
 ])
 def test_cli_errors_on_a_gguf_source(models, tmp_path, capsys, args, code, match):
     rc, out = _cli(models, tmp_path, *args)
@@ -365,3 +368,23 @@ def test_smollm2_q4_0_file_equals_the_in_memory_model(smollm2, tmp_path):
     assert a == b
     assert 0 < a["kl"] < 1.0
     assert os.path.getsize(out) < os.path.getsize(pathlib.Path(res["source"])) * 1.2
+
+
+def test_label_estimator_changes_only_the_global_out_factor(models, tmp_path):
+    """``labels`` reaches the Hessian pass of the global factors (other rounding), leaves the
+    one-sided rounding alone, and a bad spelling is an InputError before any work."""
+    kw = dict(fmt="float", bits=4, group_size=32, keep_weights=True, **FAST)
+    base = quantize_model(models / "tiny.gguf", tmp_path / "a", factors="global", **kw)
+    fis = quantize_model(models / "tiny.gguf", tmp_path / "b", factors="global",
+                         labels="fisher:4", **kw)
+    assert any(not np.array_equal(base["weights"][n], fis["weights"][n])
+               for n in base["weights"])
+    one = quantize_model(models / "tiny.gguf", tmp_path / "c", factors="input", **kw)
+    one_f = quantize_model(models / "tiny.gguf", tmp_path / "d", factors="input",
+                           labels="fisher:4", **kw)
+    for n in one["weights"]:
+        np.testing.assert_array_equal(one["weights"][n], one_f["weights"][n])
+    with pytest.raises(InputError, match="fisher:x"):
+        quantize_model(models / "tiny.gguf", tmp_path / "e", factors="global",
+                       labels="fisher:x", **kw)
+    assert not (tmp_path / "e").exists()

@@ -416,6 +416,7 @@ class _Engine:
     def __init__(self, xp, body, head, seed, check):
         self.xp, self.body, self.head_stage = xp, body, head
         self.seed, self.check = seed, check
+        self.draws = _head_draws(head)   # gradient rows per position (copy-major, axis 0)
         self.shapes = None
         self.batch = 0
         self.inputs = self.mask = None
@@ -464,23 +465,30 @@ class _Engine:
         self.heads += 1
         d = self.head_stage.grad(self.xp, z, HeadContext(self.batch, self.seed, self.inputs,
                                                          self.mask))
-        if tuple(d.shape) != tuple(z.shape):
+        want = (self.draws * z.shape[0],) + tuple(z.shape[1:])
+        if tuple(d.shape) != want:
             raise ValueError(f"head {stage_label(self.head_stage)} returned a gradient of shape "
-                             f"{tuple(d.shape)} for logits of shape {tuple(z.shape)}")
+                             f"{tuple(d.shape)} for logits of shape {tuple(z.shape)} "
+                             f"({self.draws} row(s) per position: {want})")
         self._check(d, f"gradient: the loss gradient of head {stage_label(self.head_stage)}")
         return d
 
     def vjp(self, i, h, d, need):
         self.vjps += 1
         stage = self.body[i]
+        if self.draws > 1:   # one VJP over all the head's rows: the input repeated per row
+            h = self.xp.concat([h] * self.draws, axis=0)
         r = stage.vjp(self.xp, h, d, self.collect_for(i), need_input_grad=need)
         if self.vjp_done is not None:
             self.vjp_done()
         if need:
-            if r is None or tuple(r.shape) != self.shapes[i]:
+            want = self.shapes[i]
+            if self.draws > 1:
+                want = (self.draws * want[0],) + tuple(want[1:])
+            if r is None or tuple(r.shape) != want:
                 raise ValueError(f"stage {stage_label(stage, i)}: vjp returned "
                                  f"{'None' if r is None else tuple(r.shape)}, expected a "
-                                 f"gradient of shape {self.shapes[i]}")
+                                 f"gradient of shape {want}")
             self._check(r, f"gradient: ∂loss/∂(input of stage {stage_label(stage, i)})")
             return r
         return None
@@ -492,6 +500,15 @@ class _Engine:
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
+def _head_draws(head) -> int:
+    """The head's gradient rows per position (``draws``, default 1)."""
+    k = getattr(head, "draws", 1)
+    if isinstance(k, bool) or int(k) != k or k < 1:
+        raise ValueError(f"head {stage_label(head)}: draws must be a positive integer, got "
+                         f"{k!r}")
+    return int(k)
+
+
 def _as_batches(calib_inputs, batch_size):
     if hasattr(calib_inputs, "shape"):
         if batch_size is None:
@@ -787,7 +804,9 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     refine : {"token", "sequence"}
         Per-token (``E[(xᵀH_I x) g gᵀ]``) or per-sequence (``E[G_s H_I G_sᵀ]``) refinement.
     seed : int
-        Seed of the head's label draws (per batch: ``(seed, batch index)``).
+        Seed of the head's label draws (per batch: ``(seed, batch index)``). A head with
+        ``draws = R`` label rows per position (``LMHead(labels="fisher:K")``) makes every VJP
+        one pass over ``R`` times the rows; ``H_out`` is the mean over the rows.
     weights : list, optional
         One array per batch: ``(B,)`` per sample or ``(B, T)`` per token (non-negative); the
         first stage's token mask multiplies them.
@@ -963,6 +982,12 @@ class _Run:
                              f"(its token mask)")
         return self.xp.take(x, idx, axis=0)
 
+    def _copies(self, x, n, R):
+        """``x`` of ``R`` stacked copies of the batch as (rows, n), each copy's padded rows left
+        out (copy-major, like the head's label rows)."""
+        x3 = self.xp.reshape(x, (R, -1, n))
+        return self.xp.concat([self._rows(x3[r, ...], n) for r in range(R)], axis=0)
+
     def leaf(self, node):
         xp, P = self.xp, self.P
         a, b = node.start, node.stop
@@ -1025,6 +1050,7 @@ class _Run:
                 check_pair(i, name, x, g)
                 m, n = P["layer_shapes"][name]
                 w_tok = state["w_tok"]
+                R = self.eng.draws
                 seq = _step != "kfac" and self.refine == "sequence"
                 if not seq:
                     # the rows of x once per distinct input (q/k/v and gate/up read one x):
@@ -1032,20 +1058,27 @@ class _Run:
                     sh = state["shared"]
                     if sh is not None and sh[0] is x:
                         xs, gram = sh[1], sh[2]
-                    else:
-                        xs, gram = self._rows(x, n), None
+                    else:   # with R label rows per position x is repeated R times: K-FAC's
+                        # H_in takes it once, a refinement step pairs every copy with its g
+                        xs = (self._rows(x, n) if R == 1 else
+                              self._rows(x[:x.shape[0] // R], n) if _step == "kfac" else
+                              self._copies(x, n, R))
+                        gram = None
                         state["shared"] = sh = [x, xs, None]
                         if defer:
                             self.eng._check(xs, f"input of layer {name!r}")
-                    g = self._rows(g, m)
+                    g = self._rows(g, m) if R == 1 else self._copies(g, m, R)
                     if defer:
                         self.eng._check(g, f"output gradient of layer {name!r}")
+                    if R > 1:
+                        w_tok = state["w_rows"]
                 if _step == "kfac":
                     if gram is None:
-                        sh[2] = _accs[name][0]._update(xp, xs, w_tok, products=prod, keep=True,
-                                                       check=not defer)
+                        sh[2] = _accs[name][0]._update(xp, xs, state["w_tok"], products=prod,
+                                                       keep=True, check=not defer)
                     else:
                         _accs[name][0].add_product(*gram)
+                    # H_out: the mean over the R rows of each position (weights repeated)
                     _accs[name][1]._update(xp, g, w_tok, products=prod, check=not defer)
                     return
                 if not seq:
@@ -1061,16 +1094,20 @@ class _Run:
                 H_in, H_out = current[name]
                 B = x.shape[0]
                 X3, G3 = xp.reshape(x, (B, -1, n)), xp.reshape(g, (B, -1, m))
+                w_seq = state["w"]   # R label rows: the R copies of each sequence averaged
+                if R > 1 and w_seq is not None:
+                    w_seq = xp.concat([w_seq] * R, axis=0)
                 if _step == "refine_out":
-                    _accs[name]._update_sequences(xp, G3, sequence_mix(xp, X3, H_in),
-                                                  state["w"])
+                    _accs[name]._update_sequences(xp, G3, sequence_mix(xp, X3, H_in), w_seq)
                 else:
-                    _accs[name]._update_sequences(xp, X3, sequence_mix(xp, G3, H_out),
-                                                  state["w"])
+                    _accs[name]._update_sequences(xp, X3, sequence_mix(xp, G3, H_out), w_seq)
 
             def on_batch(k):
                 state["w"], state["mask"] = P["weights"][k], P["masks"][k]
                 state["w_tok"], state["sel"] = self._batch_rows(k)
+                w_tok, R = state["w_tok"], self.eng.draws
+                state["w_rows"] = (None if w_tok is None or R == 1
+                                   else xp.concat([w_tok] * R, axis=0))
                 state["shared"] = None
 
             self.eng.collect = collect

@@ -23,7 +23,10 @@ object with
 
 A **head** has ``is_head = True``, ``check_input(in_shape)`` and ``grad(xp, z, ctx)`` returning
 ``∂loss/∂z`` for the chain's output ``z``; ``ctx`` (:class:`HeadContext`) carries the batch
-index, the seed, the batch's inputs and its token mask.
+index, the seed, the batch's inputs and its token mask. A head may set ``draws = R`` (default 1):
+``grad`` then returns ``R`` gradient rows per position stacked along the first axis
+(``(R·B, ...)``, copy-major) and the driver back-propagates them in one pass, averaging
+``H_out`` over the rows (:class:`~bakron.hessian.LMHead`'s ``"sample:K"``, ``"fisher:K"``).
 
 The first stage may take integer inputs (token ids): it then sets ``integer_inputs = True`` and
 may define ``token_mask(xp, inputs)``, a boolean array over the batch axes marking the

@@ -28,7 +28,7 @@ from .. import _xp
 from .stages import HeadContext, _last_axis, stage_label
 
 __all__ = ["Embedding", "RMSNorm", "Attention", "SwiGLU", "LMHead", "pad_batches",
-           "rope_inv_freq"]
+           "rope_inv_freq", "parse_labels", "LABEL_ESTIMATORS"]
 
 
 def _check_matrix(W, what, owner):
@@ -482,13 +482,34 @@ class LMHead:
     a batch never holds more than that of logits. ``W_out`` is ``(vocab, d)``; a tied head
     passes the embedding table.
 
-    ``labels=None`` (default): each position's label is drawn from the model's own softmax
-    (inverse CDF of ``numpy.random.default_rng((seed, batch_index))``), as
-    :class:`~bakron.hessian.SoftmaxCrossEntropy` does: the Fisher of the KL to the model.
+    ``labels=None`` (default, the same as ``"sample"``): each position's label is drawn from
+    the model's own softmax (inverse CDF of ``numpy.random.default_rng((seed, batch_index))``),
+    as :class:`~bakron.hessian.SoftmaxCrossEntropy` does: the Fisher of the KL to the model.
     ``labels="true"``: the next token of the same sequence (read from the calibration ids);
     the last real position of each sequence has no label. ``labels=[y_0, y_1, ...]``: one
     integer array ``(B, T)`` per batch, negative entries meaning "no label". Positions without
     a label and padded positions get zero gradient.
+
+    Lower-variance estimators of the same Fisher back-propagate several gradient rows per
+    position (``draws`` of them, stacked along the first axis: ``grad`` returns
+    ``(draws·B, T, d)`` and the driver averages ``H_out`` over the rows, see
+    :func:`~bakron.hessian.global_factors`):
+
+    ``"sample:K"``
+        ``K`` labels drawn independently per position (``K`` uniforms per position from the
+        same generator; ``"sample:1"`` is the default).
+    ``"fisher:K"``
+        The exact output Fisher at the logits, ``E_y (p − e_y)(p − e_y)ᵀ = diag(p) − p pᵀ``,
+        from its ``K`` most probable terms ``√p_y (p − e_y)`` and one remainder row
+        ``√q (m − p)`` for the other labels (``q`` their probability mass, ``m`` their
+        distribution normalised to sum 1): this keeps the remainder's mean part exactly and
+        drops only the spread of the unlisted labels among themselves,
+        ``diag(p_rest) − p_rest p_restᵀ / q`` (PSD, trace below ``q``). ``K + 1`` rows per
+        position; with ``K`` at least the vocabulary size it is exact (``V`` rows). Each row
+        carries an independent random sign per position: the labels of different positions
+        are independent, so the products of two positions' terms (which reach a layer through
+        attention) average to zero, as they do for sampled labels, while each position's own
+        term is exact.
     """
 
     is_head = True
@@ -498,10 +519,12 @@ class LMHead:
         _check_matrix(W_out, "W_out (vocab x features)", f"LMHead {name!r}")
         if W_out.shape[0] < 2:
             raise ValueError(f"LMHead {name!r}: the vocabulary needs at least 2 tokens")
-        if isinstance(labels, str) and labels != "true":
-            raise ValueError(f"LMHead {name!r}: labels must be None, 'true' or a list of "
-                             f"arrays, got {labels!r}")
-        if labels is not None and not isinstance(labels, str):
+        V = W_out.shape[0]
+        self.estimator, self.k, self.draws = None, 1, 1
+        if isinstance(labels, str):
+            self.estimator, self.k, self.draws = parse_labels(labels, V, f"LMHead {name!r}")
+            labels = "true" if self.estimator == "true" else None
+        elif labels is not None:
             labels = list(labels)
         if isinstance(chunk_bytes, bool) or int(chunk_bytes) != chunk_bytes or chunk_bytes < 1:
             raise ValueError(f"LMHead {name!r}: chunk_bytes must be a positive integer, got "
@@ -576,6 +599,8 @@ class LMHead:
 
     def grad(self, xp, z, ctx: HeadContext):
         """``∂loss/∂z`` for hidden states ``z`` ``(B, T, d)`` (loss summed over positions)."""
+        if self.draws > 1:
+            return self._grad_rows(xp, z, ctx)
         lead = tuple(z.shape[:-1])
         d = z.shape[-1]
         dev = _xp.device(z)
@@ -617,6 +642,77 @@ class LMHead:
         g = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
         return xp.reshape(g, tuple(z.shape))
 
+    def _top(self, xp, p, K):
+        """The indices of the ``K`` largest entries of each row of ``p`` (any order)."""
+        if _xp.is_numpy(xp):
+            idx = np.argpartition(np.asarray(p), p.shape[-1] - K, axis=-1)[:, p.shape[-1] - K:]
+            return xp.asarray(idx.astype(np.int64))
+        return xp.astype(xp.argsort(p, axis=-1, descending=True)[:, :K], xp.int64)
+
+    def _grad_rows(self, xp, z, ctx: HeadContext):
+        """``draws`` gradient rows per position (``"sample:K"``, ``"fisher:K"``), stacked
+        copy-major along the first axis: ``(draws·B, T, d)``."""
+        lead = tuple(z.shape[:-1])
+        d = z.shape[-1]
+        dev = _xp.device(z)
+        R, V, W = self.draws, self.W_out.shape[0], self.W_out
+        keep = None if ctx.mask is None else xp.reshape(ctx.mask, (-1,))
+        Z = xp.reshape(z, (-1, d))
+        n = Z.shape[0]
+        rng = np.random.default_rng((int(ctx.seed), int(ctx.batch_index)))
+        if self.estimator == "sample":
+            u = xp.reshape(xp.asarray(rng.random((R,) + lead), device=dev), (R, -1))
+        else:   # a random sign per row and position: the cross-position products average out
+            sign = rng.integers(0, 2, size=(R,) + lead).astype(np.float64) * 2.0 - 1.0
+            sign = xp.reshape(xp.asarray(sign, dtype=z.dtype, device=dev), (R, -1))
+        step = self.rows_per_chunk(xp.finfo(z.dtype).bits // 8)
+        top_k = min(self.k, V)
+        out = [[] for _ in range(R)]
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            p = _softmax(xp, Z[s:e, ...] @ W.T)
+            k = None if keep is None else xp.astype(keep[s:e], p.dtype)[:, None]
+            rows = []
+            if self.estimator == "sample":
+                cdf = xp.cumulative_sum(xp.astype(p, xp.float64), axis=-1)
+                pW = p @ W
+                del p
+                for r in range(R):
+                    y = xp.sum(xp.astype(cdf < u[r, s:e, None], xp.int8), axis=-1,
+                               dtype=xp.int64)
+                    y = xp.minimum(y, xp.asarray(V - 1, dtype=xp.int64, device=dev))
+                    rows.append(pW - xp.take(W, y, axis=0))
+                del cdf
+            else:   # the top-K terms √p_y (p − e_y), then the remainder's mean row √q (m − p)
+                top = self._top(xp, p, top_k)                          # (b, K)
+                pt = xp.take_along_axis(p, top, axis=-1)
+                vocab = xp.arange(V, dtype=xp.int64, device=dev)
+                hit = xp.zeros(p.shape, dtype=xp.bool, device=dev)
+                for j in range(top_k):
+                    hit = hit | (vocab[None, :] == top[:, j:j + 1])
+                p_rest = xp.where(hit, xp.zeros_like(p), p)
+                del hit, p
+                q = xp.sum(p_rest, axis=-1, keepdims=True)             # (b, 1)
+                restW = p_rest @ W
+                del p_rest
+                Wy = [xp.take(W, top[:, j], axis=0) for j in range(top_k)]
+                pW = restW
+                for j in range(top_k):
+                    pW = pW + pt[:, j:j + 1] * Wy[j]
+                c = math.sqrt(R)   # the driver averages the R rows: undo the 1/R
+                for j in range(top_k):
+                    rows.append((c * xp.sqrt(pt[:, j:j + 1])) * (pW - Wy[j]))
+                if R > top_k:
+                    q_safe = xp.where(q > 0, q, xp.ones_like(q))
+                    rows.append(c * (restW / xp.sqrt(q_safe) - xp.sqrt(q) * pW))
+            for r, g in enumerate(rows):
+                if self.estimator == "fisher":
+                    g = g * sign[r, s:e, None]
+                out[r].append(g if k is None else g * k)
+        cat = (lambda a: a[0] if len(a) == 1 else xp.concat(a, axis=0))
+        g = xp.concat([cat(o) for o in out], axis=0)
+        return xp.reshape(g, (R * lead[0],) + lead[1:] + (d,))
+
     def token_losses(self, xp, z, ctx: HeadContext):
         """``−log softmax(z W_outᵀ)[label]`` per position (``NaN`` where there is no label);
         only for given labels (``"true"`` or a list)."""
@@ -634,6 +730,35 @@ class LMHead:
         if ctx.mask is not None:
             ok = ok & ctx.mask
         return xp.where(ok, nll, xp.full_like(nll, math.nan))
+
+
+LABEL_ESTIMATORS = ("sample", "sample:K", "fisher:K", "true")
+
+
+def parse_labels(spec: str, vocab: int, owner: str = "labels"):
+    """``(estimator, K, rows per position)`` of a label estimator ``"sample"``, ``"sample:K"``,
+    ``"fisher:K"`` or ``"true"`` (see :class:`LMHead`); a clear error for anything else."""
+    if not isinstance(spec, str):
+        raise ValueError(f"{owner}: labels must be None, 'true', 'sample', 'sample:K' or "
+                         f"'fisher:K' (K a positive integer), got {spec!r}")
+    kind, sep, k = spec.partition(":")
+    if kind == "true" and not sep:
+        return "true", 1, 1
+    if kind == "sample" and not sep:
+        return "sample", 1, 1
+    if kind in ("sample", "fisher") and sep:
+        try:
+            K = int(k)
+        except ValueError:
+            K = 0
+        if K >= 1 and k.strip() == k and k.isdigit():
+            if kind == "sample":
+                return "sample", K, K
+            return "fisher", K, (K + 1 if K < vocab else vocab)
+        raise ValueError(f"{owner}: labels {spec!r}: K must be a positive integer (e.g. "
+                         f"'{kind}:8')")
+    raise ValueError(f"{owner}: labels must be None, 'true', 'sample', 'sample:K' or "
+                     f"'fisher:K' (K a positive integer), got {spec!r}")
 
 
 def _softmax(xp, a):
