@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from .. import _xp
 from .._validate import check_finite
-from .accumulate import FactorAccumulator, frobenius_sq, sequence_mix, token_quadratic
+from .accumulate import (FactorAccumulator, frobenius_sq, gram_buffer, sequence_mix,
+                         token_quadratic)
 from .checkpoint import SCHEDULES, bisection_slots, split_point
 from .progress import Progress, progress_bar
 from .stages import HeadContext, is_head, stage_label
@@ -949,6 +950,16 @@ class _Run:
         state = {"w": None, "mask": None, "w_tok": None, "sel": None, "shared": None}
         self._state = state
         prod = P["products"]
+        # reusable outputs of the factor products, by size: one for the shared input products
+        # (kept while q/k/v or gate/up add them) and one for the rest; temporaries of one
+        # update, not counted as buffers
+        scratch = {}
+
+        def out_buffer(size, kept):
+            key = (size, kept)
+            if key not in scratch:
+                scratch[key] = gram_buffer(xp, size, prod)
+            return scratch[key]
 
         def key_of(i, key):
             return f"stage{i}" if key is None else key
@@ -1007,20 +1018,25 @@ class _Run:
                     g = self._rows(g, m)
                 if _step == "kfac":
                     if gram is None:
-                        sh[2] = _accs[name][0]._update(xp, xs, w_tok, products=prod, keep=True)
+                        sh[2] = _accs[name][0]._update(xp, xs, w_tok, products=prod, keep=True,
+                                                       check="product",
+                                                       out=out_buffer(n, True))
                     else:
                         _accs[name][0].add_product(*gram)
-                    _accs[name][1]._update(xp, g, w_tok, products=prod)
+                    _accs[name][1]._update(xp, g, w_tok, products=prod, check="product",
+                                           out=out_buffer(m, False))
                     return
                 if not seq:
                     # x_tᵀ H x_t >= 0 for the positive semi-definite factor H; clamping the
                     # rounding below 0 keeps the update a symmetric rank-k one (√c_t y_t)
                     if _step == "refine_out":
                         c = xp.maximum(token_quadratic(xp, xs, _fixed[name]), 0.0)
-                        _accs[name]._update(xp, g, w_tok, c, products=prod)
+                        _accs[name]._update(xp, g, w_tok, c, products=prod, check="product",
+                                            out=out_buffer(m, False))
                     else:
                         c = xp.maximum(token_quadratic(xp, g, _fixed[name]), 0.0)
-                        _accs[name]._update(xp, xs, w_tok, c, products=prod)
+                        _accs[name]._update(xp, xs, w_tok, c, products=prod, check="product",
+                                            out=out_buffer(n, False))
                     return
                 H_in, H_out = current[name]
                 B = x.shape[0]
@@ -1044,13 +1060,14 @@ class _Run:
             for n in names:   # finalise layer by layer, dropping each accumulator at once
                 acc = accs.pop(n)
                 if step == "kfac":
-                    current[n] = (acc[0].value(), acc[1].value())
+                    current[n] = (acc[0].finish(), acc[1].finish())
                 elif step == "refine_out":
-                    current[n] = (current[n][0], acc.value())
+                    current[n] = (current[n][0], acc.finish())
                 else:
-                    current[n] = (acc.value(), current[n][1])
+                    current[n] = (acc.finish(), current[n][1])
                 del acc
             del accs
+            scratch.clear()
             if step == "kfac" and self.iters and self.kfac_sink is not None:
                 for n in names:
                     self.kfac_sink(n, *current[n])
