@@ -10,8 +10,8 @@ and reads the wall time of each pass from the report (``kfac``, ``refine_out``,
 ``refine_in``), in tokens per second.
 
 The **floor** of a pass is measured in the same process: the matrix products that pass must
-do, each timed alone on random data of its shape and dtype at this machine's BLAS rate and
-summed -- the forward (every linear, the attention scores and mixing, the LM head's logits),
+do, each timed alone on random data of its shape and dtype at this machine's BLAS rate (into a
+preallocated output, so that no allocation or page fault counts) and summed -- the forward (every linear, the attention scores and mixing, the LM head's logits),
 the VJP (every input gradient, the attention backward, the LM head's ``p W``), and the factor
 products as symmetric rank-k updates (``?syrk``) on the real rows, one ``H_in`` per distinct
 input (q/k/v share one, gate/up another) and one ``H_out`` per layer; a refinement pass has,
@@ -83,7 +83,8 @@ def floor_seconds(g: dict, dtype="float32", repeats: int = 3, seed: int = 0) -> 
         if key not in cache:
             A = rng.standard_normal((M, K)).astype(dt)
             B = rng.standard_normal((K, N)).astype(dt)
-            cache[key] = _timed(lambda: A @ B, repeats)
+            C = np.empty((M, N), dtype=dt)
+            cache[key] = _timed(lambda: np.matmul(A, B, out=C), repeats)
         return cache[key]
 
     def t_bmm(c, M, K, N):
@@ -91,14 +92,16 @@ def floor_seconds(g: dict, dtype="float32", repeats: int = 3, seed: int = 0) -> 
         if key not in cache:
             A = rng.standard_normal((c, M, K)).astype(dt)
             B = rng.standard_normal((c, K, N)).astype(dt)
-            cache[key] = _timed(lambda: A @ B, repeats)
+            C = np.empty((c, M, N), dtype=dt)
+            cache[key] = _timed(lambda: np.matmul(A, B, out=C), repeats)
         return cache[key]
 
     def t_syrk(M, n):
         key = ("syrk", M, n)
         if key not in cache:
             X = np.asfortranarray(rng.standard_normal((M, n)).astype(dt))
-            cache[key] = _timed(lambda: syrk(1.0, X, trans=1), repeats)
+            C = np.zeros((n, n), dtype=dt, order="F")
+            cache[key] = _timed(lambda: syrk(1.0, X, c=C, trans=1, overwrite_c=1), repeats)
         return cache[key]
 
     def total(items):
@@ -273,7 +276,8 @@ def write_report(results, out_dir, name, command, meta) -> str:
     lines += [
              "Each pass is a forward, a VJP and the factor products over all calibration "
              "tokens. *Floor*: the matrix products that pass must do, each timed alone at this "
-             "machine's BLAS rate in the same process and summed (forward, VJP, factor "
+             "machine's BLAS rate in the same process, into a preallocated output, and summed "
+             "(forward, VJP, factor "
              "products as symmetric rank-k updates; see `bakron/benchmarks/hessian.py`). "
              "*Ratio*: pass time / floor (1.0 = at the floor). The budget schedule holds the "
              "factor buffers and about half the store-all plan's activations, so it "
