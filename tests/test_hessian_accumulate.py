@@ -221,3 +221,17 @@ def test_product_check_names_bad_rows_and_leaves_the_state(xp):
     with pytest.raises(ValueError, match="overflow"), np.errstate(over="ignore"):
         acc._update(xp, to_xp(xp, big), products=xp.float32, check="product")
     assert np.array_equal(_np(acc.sum), before[0]) and (acc.weight, acc.count) == before[1:]
+
+
+def test_out_holds_the_sum(xp):
+    """``out``: a spent factor's memory holds the new sum (zeroed first); a wrong shape or
+    dtype is refused by name."""
+    rng = np.random.default_rng(22)
+    X = to_xp(xp, rng.standard_normal((7, 4)))
+    buf = to_xp(xp, np.full((4, 4), 5.0))
+    acc = FactorAccumulator(4, xp=xp, out=buf).update(X)
+    assert np.array_equal(_np(acc.value()), _np(FactorAccumulator(4, xp=xp).update(X).value()))
+    with pytest.raises(ValueError, match=r"out must be an array of shape \(4, 4\)"):
+        FactorAccumulator(4, xp=xp, out=to_xp(xp, np.zeros((3, 3))))
+    with pytest.raises(ValueError, match="out must be"):
+        FactorAccumulator(4, xp=xp, dtype=xp.float32, out=to_xp(xp, np.zeros((4, 4))))

@@ -66,9 +66,13 @@ class FactorAccumulator:
     divisor : float
         Extra normaliser of :meth:`value` (``‖H‖_F²`` of the fixed factor in a refinement
         step). Accumulators that ``merge`` must share it.
+    out : array, optional
+        An ``n x n`` array of the accumulation dtype to hold the sum instead of a new one
+        (zeroed here, then owned by the accumulator: a spent factor's memory).
     """
 
-    def __init__(self, n: int, *, xp, dtype=None, device=None, divisor: float = 1.0):
+    def __init__(self, n: int, *, xp, dtype=None, device=None, divisor: float = 1.0,
+                 out=None):
         if int(n) != n or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
         if not divisor > 0 or divisor != divisor or divisor == float("inf"):
@@ -77,8 +81,16 @@ class FactorAccumulator:
         self.n = int(n)
         self.dtype = _float_dtype(xp, dtype)
         self.divisor = float(divisor)
-        kw = {} if device is None else {"device": device}
-        self.sum = xp.zeros((self.n, self.n), dtype=self.dtype, **kw)
+        if out is not None:
+            if tuple(getattr(out, "shape", ())) != (self.n, self.n) or out.dtype != self.dtype:
+                raise ValueError(f"out must be an array of shape {(self.n, self.n)} and dtype "
+                                 f"{self.dtype}, got {getattr(out, 'dtype', None)} of shape "
+                                 f"{getattr(out, 'shape', None)}")
+            out[...] = 0
+            self.sum = out
+        else:
+            kw = {} if device is None else {"device": device}
+            self.sum = xp.zeros((self.n, self.n), dtype=self.dtype, **kw)
         self.weight = 0.0
         self.count = 0
 

@@ -972,8 +972,11 @@ class _Run:
                                  f"{name!r}, which is {m} x {n}")
 
         steps = ["kfac"] + ["refine_out", "refine_in"] * self.iters
-        for step in steps:
+        for si, step in enumerate(steps):
             accs = {}
+            # the factor a refinement step replaces holds the new sum (no fresh n x n memory
+            # and its page faults), unless kfac_sink was handed it (the first two steps)
+            reuse = si > 2 or self.kfac_sink is None
             if step == "kfac":
                 for n in names:
                     m_, n_ = P["layer_shapes"][n]
@@ -984,8 +987,11 @@ class _Run:
                     H_in, H_out = current[n]
                     fixed = H_in if step == "refine_out" else H_out
                     size = H_out.shape[0] if step == "refine_out" else H_in.shape[0]
+                    old = H_out if step == "refine_out" else H_in
                     accs[n] = FactorAccumulator(size, xp=xp, dtype=acc_dtype, device=dev,
-                                                divisor=frobenius_sq(xp, fixed))
+                                                divisor=frobenius_sq(xp, fixed),
+                                                out=old if reuse else None)
+                    del old
                     # the factor being replaced is no longer needed
                     current[n] = (H_in, None) if step == "refine_out" else (None, H_out)
 
