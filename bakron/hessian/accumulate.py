@@ -416,10 +416,15 @@ def _syrk(dtype):
 
 
 def token_quadratic(xp, rows, H):
-    """``y_tᵀ H y_t`` for every row of ``rows`` (shape ``(..., n)``), flattened, float64."""
+    """``y_tᵀ H y_t`` for every row of ``rows`` (shape ``(..., n)``), flattened, in H's dtype
+    (the rows are cast only when their dtype differs; one ``(k, n)`` temporary)."""
     n = H.shape[0]
-    Y = xp.reshape(xp.astype(rows, H.dtype), (-1, n))
-    return xp.sum((Y @ H) * Y, axis=1)
+    Y = xp.reshape(rows, (-1, n))
+    if Y.dtype != H.dtype:
+        Y = xp.astype(Y, H.dtype)
+    YH = Y @ H
+    YH *= Y
+    return xp.sum(YH, axis=1)
 
 
 def sequence_mix(xp, seqs, H):
