@@ -315,7 +315,12 @@ def write_report(results, out_dir, name, command, meta) -> str:
                 models.append(m)
     for m in models:
         first = next(r["models"][m] for r in results if m in r["models"])
-        lines += [f"## {first['label']}", "",
+        lines += [f"## {first['label']}", ""]
+        other = [f"{r['threads']} thread(s): {r['models'][m]['label']}" for r in results
+                 if m in r["models"] and r["models"][m]["label"] != first["label"]]
+        if other:   # runs merged from commands of other sizes
+            lines += ["Rows of other sizes: " + "; ".join(other) + ".", ""]
+        lines += [
                   "| threads | clock | schedule | pass | tokens/s | ms/token | floor ms/token "
                   "| ratio | ledger peak MiB | traced peak MiB |",
                   "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
