@@ -236,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smollm2 only: calibrate on the Language Reference sentences (docs), "
                         "those plus as many tokens sampled from the model (generated+docs), "
                         "or the sampled text alone (default docs)")
+    d.add_argument("--calib-tokens", type=_positive_int, default=None, metavar="N",
+                   help="smollm2 only: the calibration set's size in tokens (default: 64 "
+                        "sentences, about 1,600 tokens); the Hessian passes' time is "
+                        "predicted before they start")
     d.add_argument("--quiet", action="store_true", help="no progress output")
     d.set_defaults(func=_cmd_demo)
 
@@ -518,6 +522,10 @@ def _cmd_demo(args) -> int:
         extra = {} if args.calib == "docs" else {"calib": args.calib}
         if extra and args.model != "smollm2":
             raise UsageError(f"--calib {args.calib} applies to --model smollm2 only")
+        if args.calib_tokens is not None:
+            if args.model != "smollm2":
+                raise UsageError("--calib-tokens applies to --model smollm2 only")
+            extra["calib_tokens"] = args.calib_tokens
         result = mod.run(args.out, device=args.device, bits=tuple(args.bits), quick=args.quick,
                          progress=not args.quiet, **extra)
     except OSError as exc:

@@ -169,3 +169,69 @@ def test_state_dict_round_trip(xp):
     back = FactorAccumulator.from_state_dict(acc.state_dict(), xp=xp)
     np.testing.assert_array_equal(_np(back.value()), _np(acc.value()))
     assert (back.weight, back.count, back.divisor) == (acc.weight, acc.count, acc.divisor)
+
+
+def _filled(xp, n, out=None, seed=20):
+    """An accumulator after three float32-product updates (weights, a kept product added to
+    a second one) and that second accumulator."""
+    rng = np.random.default_rng(seed)
+    a = FactorAccumulator(n, xp=xp)
+    b = FactorAccumulator(n, xp=xp)
+    for k in range(3):
+        X = to_xp(xp, rng.standard_normal((40, n)).astype(np.float32))
+        w = to_xp(xp, rng.random(40))
+        kept = a._update(xp, X, w, products=xp.float32, keep=True, check="product", out=out)
+        b.add_product(*kept)
+    return a, b
+
+
+def test_finish_is_value_bitwise_without_a_copy(xp):
+    """finish() forms value()'s factor in the running sum itself (the blockwise mirror and
+    add span more than one block at n = 300), and the accumulator is spent afterwards."""
+    from bakron.hessian.accumulate import gram_buffer
+
+    n = 300
+    out = gram_buffer(xp, n, xp.float32)
+    a, b = _filled(xp, n, out)
+    a2, b2 = _filled(xp, n)          # no buffer: the same products, freshly allocated
+    want = _np(a2.value())
+    assert np.array_equal(_np(b2.value()), want)
+    got = a.finish()
+    assert np.array_equal(_np(got), want) and np.array_equal(_np(got), _np(got).T)
+    assert np.array_equal(_np(b.finish()), want)
+    with pytest.raises(ValueError, match="spent"):
+        a.update(to_xp(xp, np.ones((2, n))))
+    with pytest.raises(ValueError, match="spent"):
+        a.finish()
+    if _xp.is_numpy(xp):              # ?syrk wrote the products into the buffer
+        kept = FactorAccumulator(n, xp=xp)._update(
+            xp, np.ones((3, n), np.float32), products=np.float32, keep=True, out=out)
+        assert np.shares_memory(kept[0], out)
+
+
+def test_product_check_names_bad_rows_and_leaves_the_state(xp):
+    rng = np.random.default_rng(21)
+    acc = FactorAccumulator(3, xp=xp).update(to_xp(xp, rng.standard_normal((4, 3))))
+    before = (_np(acc.sum).copy(), acc.weight, acc.count)
+    bad = rng.standard_normal((4, 3)).astype(np.float32)
+    bad[1, 2] = np.inf
+    with pytest.raises(ValueError, match="rows contains 1 NaN or Inf"):
+        acc._update(xp, to_xp(xp, bad), products=xp.float32, check="product")
+    big = np.full((2, 3), 1e30, dtype=np.float32)     # finite, but its squares overflow
+    with pytest.raises(ValueError, match="overflow"), np.errstate(over="ignore"):
+        acc._update(xp, to_xp(xp, big), products=xp.float32, check="product")
+    assert np.array_equal(_np(acc.sum), before[0]) and (acc.weight, acc.count) == before[1:]
+
+
+def test_out_holds_the_sum(xp):
+    """``out``: a spent factor's memory holds the new sum (zeroed first); a wrong shape or
+    dtype is refused by name."""
+    rng = np.random.default_rng(22)
+    X = to_xp(xp, rng.standard_normal((7, 4)))
+    buf = to_xp(xp, np.full((4, 4), 5.0))
+    acc = FactorAccumulator(4, xp=xp, out=buf).update(X)
+    assert np.array_equal(_np(acc.value()), _np(FactorAccumulator(4, xp=xp).update(X).value()))
+    with pytest.raises(ValueError, match=r"out must be an array of shape \(4, 4\)"):
+        FactorAccumulator(4, xp=xp, out=to_xp(xp, np.zeros((3, 3))))
+    with pytest.raises(ValueError, match="out must be"):
+        FactorAccumulator(4, xp=xp, dtype=xp.float32, out=to_xp(xp, np.zeros((4, 4))))

@@ -242,6 +242,8 @@ def test_quick_layers():
     ({"accum_dtype": "float16"}, "accum_dtype"),
     ({"max_tokens": 1}, "max_tokens"),
     ({"n_calibration": 0}, "n_calibration"),
+    ({"calib_tokens": 0}, "calib_tokens must be a positive integer"),
+    ({"calib_tokens": 100}, "n_calibration .* or calib_tokens .*, not both"),
     ({"bits": (1,)}, "bits"),
     ({"tile": (0, 1)}, "tile"),
     ({"layers": ["blk.0.attn_x"]}, "unknown layer"),
@@ -289,6 +291,47 @@ def test_cli_forwards_smollm2_to_the_llm_demo(monkeypatch, tmp_path, capsys):
     assert rc == 0 and "llm_report.md" in capsys.readouterr().out
     assert seen == {"out_dir": str(tmp_path / "d"), "device": "cpu", "bits": (3, 4),
                     "quick": True, "progress": True}
+
+
+def test_calib_tokens_sizes_the_calibration_in_tokens(tmp_path):
+    """calib_tokens: sentences of the calibration topics in a fixed order until they hold that
+    many tokens (the last one crossing it), never a held-out topic's sentence; the demo runs on
+    them and reports their tokens."""
+    from bakron.models.textdata import reference_split
+
+    lm = _tiny_lm()
+    cal_pool, held_pool = reference_split(0)
+    seqs = demo._sentences_for_tokens(lm, 900, 0)
+    total = sum(map(len, seqs))
+    assert total >= 900 and total - len(seqs[-1]) < 900
+    assert seqs == demo._sentences_for_tokens(lm, 900, 0)
+    held = {tuple(s) for s in lm.tokenize(held_pool)} - {tuple(s) for s in lm.tokenize(cal_pool)}
+    assert not held & {tuple(s) for s in seqs}
+    with pytest.raises(ValueError, match="hold only"):
+        demo._sentences_for_tokens(lm, 10 ** 9, 0)
+    res = demo.run(tmp_path, model=lm, device="cpu", bits=(4,), calib_tokens=300, n_heldout=4,
+                   lee=False, layers=["blk.1.attn_q"], progress=False)
+    assert res["data"]["calibration_tokens"] >= 300
+    assert res["data"]["calibration_texts"] == len(demo._sentences_for_tokens(lm, 300, 0))
+
+
+def test_cli_calib_tokens(monkeypatch, tmp_path, capsys):
+    import sys
+    import types
+
+    from bakron import cli
+
+    seen = {}
+    fake = types.ModuleType("bakron.demo.llm")
+    fake.run = lambda out_dir, **kw: seen.update(kw) or {}
+    monkeypatch.setitem(sys.modules, "bakron.demo.llm", fake)
+    assert cli.main(["demo", "--out", str(tmp_path / "d"), "--calib-tokens", "6000",
+                     "--quiet"]) == 0
+    assert seen["calib_tokens"] == 6000
+    assert cli.main(["demo", "--model", "mlp", "--out", str(tmp_path / "m"),
+                     "--calib-tokens", "6000"]) == 2
+    assert "--calib-tokens applies to --model smollm2 only" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
 
 
 def test_cli_model_unavailable_is_exit_4(monkeypatch, capsys):

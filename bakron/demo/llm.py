@@ -105,7 +105,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
         blas_threads: int | None = 1, calib: str = "docs",
-        continuations: int | None = None) -> dict:
+        continuations: int | None = None, calib_tokens: int | None = None) -> dict:
     """Quantize a causal LM's linear layers and write a report (``bakron demo``).
 
     Parameters
@@ -134,6 +134,12 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         float32).
     n_calibration : int, optional
         Calibration sentences (default 64, about 1600 tokens).
+    calib_tokens : int, optional
+        The calibration set's size in tokens instead of ``n_calibration``: sentences of the
+        calibration topics of the Language Reference in a fixed order (seed ``seed``) until
+        they hold at least this many tokens; with ``calib="generated+docs"`` half of them,
+        the other half sampled from the model. The evaluation texts stay those of the default
+        run.
     calib : {"docs", "generated+docs", "generated"}
         ``docs``: the Language Reference sentences alone; ``generated+docs``: those plus as
         many tokens of text sampled from the model itself (temperature 1, from BOS, seed
@@ -207,9 +213,11 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
             ("group_size", group_size, 1), ("batch_size", batch_size, 1),
             ("refine_iters", refine_iters, 0), ("n_indomain", n_indomain, 0)))
     for name, v in (("n_calibration", n_calibration), ("n_heldout", n_heldout),
-                     ("max_tokens", max_tokens)):
+                     ("max_tokens", max_tokens), ("calib_tokens", calib_tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if n_calibration is not None and calib_tokens is not None:
+        raise ValueError("give n_calibration (sentences) or calib_tokens (tokens), not both")
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"max_tokens must be >= 2 (a text needs a next token), got {max_tokens}")
     if accum_dtype not in ("float32", "float64"):
@@ -237,7 +245,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
                     refine_iters=refine_iters, refine=refine, budget_bytes=budget_bytes,
                     batch_size=batch_size, cache=cache, wheel=wheel, seed=seed,
                     accum_dtype=accum_dtype, calib=calib, continuations=continuations,
-                    proxy_bits=_proxy_bits(proxies, bits)).go()
+                    calib_tokens=calib_tokens, proxy_bits=_proxy_bits(proxies, bits)).go()
 
 
 class _Run:
@@ -332,7 +340,13 @@ class _Run:
             self.eval_source = (f"{n_held} held-out sentences of the Python Language "
                                 f"Reference (topics never used for calibration)")
         max_tok = self.max_tokens or 64
-        self.cal_seqs = [s for s in self.lm.tokenize(cal) if s]
+        if self.calib_tokens is not None:
+            want = self.calib_tokens
+            if self.calib == "generated+docs":   # the other half is sampled from the model
+                want = -(-want // 2)
+            self.cal_seqs = _sentences_for_tokens(self.lm, want, self.seed)
+        else:
+            self.cal_seqs = [s for s in self.lm.tokenize(cal) if s]
         self.calib_source = "sentences of the Python Language Reference (pydoc_data.topics)"
         self.calib_gen_seconds = None
         if self.calib != "docs" and self.cal_seqs:
@@ -669,6 +683,28 @@ def _continuation_lines(res) -> list[str]:
                                                    if prompt.endswith("\n") else ""), "",
                   md_table(rows), ""]
     return lines
+
+
+def _sentences_for_tokens(lm, tokens: int, seed: int) -> list:
+    """Token lists of sentences of the Language Reference's calibration topics, in a fixed
+    seeded order, until they hold at least ``tokens`` tokens."""
+    import random
+
+    from ..models.textdata import reference_split
+
+    pool, _ = reference_split(seed)
+    pool = random.Random(seed).sample(pool, len(pool))
+    out, total = [], 0
+    for i in range(0, len(pool), 256):
+        for s in lm.tokenize(pool[i:i + 256]):
+            if not s:
+                continue
+            out.append(s)
+            total += len(s)
+            if total >= tokens:
+                return out
+    raise ValueError(f"calib_tokens={tokens}: the calibration topics of this Python's "
+                     f"Language Reference hold only {total} tokens")
 
 
 #: The demo's calibration choices (``calib``).

@@ -12,13 +12,16 @@ of docs/hessian.md ("The mathematics"):
   ``G_sᵀ H_O G_s = X_sᵀ (g_s H_O g_sᵀ) X_s`` with ``G_s = Σ_t g_t x_tᵀ``, without forming G_s).
 
 Row updates form their products as one symmetric rank-k update on the ``(k, n)`` rows
-(``?syrk`` of scipy's BLAS for numpy arrays, ``Yᵀ Y`` elsewhere), in ``products`` precision:
+(``?syrk`` of scipy's BLAS for numpy arrays, written into a reusable buffer from
+:func:`gram_buffer` when one is given; ``Yᵀ Y`` elsewhere) and add only the upper triangle to the
+sum, in ``products`` precision:
 the accumulation dtype by default (rows are cast first: exact products), or the rows' own
 float32 (``products=xp.float32``: twice the BLAS rate and half the memory traffic; each batch's
 float32 sum is then added to the float64 sum, so only one batch's terms are summed in float32).
 
 ``value()`` returns ``S / (Σ w · divisor)`` symmetrised (``divisor`` is ``‖H‖_F²`` of the fixed
-factor in a refinement step, 1 otherwise). Partial accumulators (batches, shards, workers)
+factor in a refinement step, 1 otherwise); ``finish()`` returns the same factor formed in place
+in the running sum (no copy; the accumulator is spent). Partial accumulators (batches, shards, workers)
 combine with :meth:`merge`, which adds the sums in the order given, so the same partials in the
 same order give bitwise the same result.
 """
@@ -32,7 +35,11 @@ from .._validate import check_finite, check_real_dtype
 _ROWMAJOR = "upper-rowmajor"
 
 __all__ = ["FactorAccumulator", "token_quadratic", "sequence_mix", "frobenius_sq",
-           "pack_upper", "unpack_upper"]
+           "pack_upper", "unpack_upper", "gram_buffer"]
+
+#: rows per block of the blockwise triangle updates (numpy): big enough that the Python loop
+#: is negligible, small enough that a block's rows stay in cache
+_BLOCK = 256
 
 
 def _float_dtype(xp, dtype):
@@ -59,9 +66,13 @@ class FactorAccumulator:
     divisor : float
         Extra normaliser of :meth:`value` (``‖H‖_F²`` of the fixed factor in a refinement
         step). Accumulators that ``merge`` must share it.
+    out : array, optional
+        An ``n x n`` array of the accumulation dtype to hold the sum instead of a new one
+        (zeroed here, then owned by the accumulator: a spent factor's memory).
     """
 
-    def __init__(self, n: int, *, xp, dtype=None, device=None, divisor: float = 1.0):
+    def __init__(self, n: int, *, xp, dtype=None, device=None, divisor: float = 1.0,
+                 out=None):
         if int(n) != n or n < 1:
             raise ValueError(f"n must be a positive integer, got {n!r}")
         if not divisor > 0 or divisor != divisor or divisor == float("inf"):
@@ -70,8 +81,16 @@ class FactorAccumulator:
         self.n = int(n)
         self.dtype = _float_dtype(xp, dtype)
         self.divisor = float(divisor)
-        kw = {} if device is None else {"device": device}
-        self.sum = xp.zeros((self.n, self.n), dtype=self.dtype, **kw)
+        if out is not None:
+            if tuple(getattr(out, "shape", ())) != (self.n, self.n) or out.dtype != self.dtype:
+                raise ValueError(f"out must be an array of shape {(self.n, self.n)} and dtype "
+                                 f"{self.dtype}, got {getattr(out, 'dtype', None)} of shape "
+                                 f"{getattr(out, 'shape', None)}")
+            out[...] = 0
+            self.sum = out
+        else:
+            kw = {} if device is None else {"device": device}
+            self.sum = xp.zeros((self.n, self.n), dtype=self.dtype, **kw)
         self.weight = 0.0
         self.count = 0
 
@@ -79,9 +98,12 @@ class FactorAccumulator:
     def sum(self):
         """The running sum ``S`` (n x n, full). Rank-k updates fill its upper triangle only;
         reading it mirrors that triangle into the lower one first."""
+        if self._sum is None:
+            raise ValueError("this accumulator is spent: finish() handed its sum out as the "
+                             "factor")
         if self._lower_stale:
             S = self._sum
-            self._sum = self.xp.triu(S) + self.xp.matrix_transpose(self.xp.triu(S, k=1))
+            self._sum = _mirror_upper(self.xp, S)
             self._lower_stale = False
         return self._sum
 
@@ -125,16 +147,29 @@ class FactorAccumulator:
 
     def add_product(self, other_sum, k: int, weight: float) -> "FactorAccumulator":
         """Add a batch's product already formed for another accumulator of the same rows and
-        weights (``gram`` of :meth:`update` with ``keep=True``): layers that read one input
-        (q/k/v, gate/up) form ``Σ w_t x_t x_tᵀ`` once."""
-        self._sum += other_sum
+        weights (``gram`` of :meth:`update` with ``keep=True``; its upper triangle is read):
+        layers that read one input (q/k/v, gate/up) form ``Σ w_t x_t x_tᵀ`` once."""
+        if self._sum is None:
+            raise ValueError("this accumulator is spent: finish() handed its sum out as the "
+                             "factor")
+        _add_upper(self.xp, self._sum, other_sum)
         self._lower_stale = True
         self.weight += weight
         self.count += k
         return self
 
     def _update(self, xp, rows, weights=None, coef=None, products=None, keep=False,
-                check=True):
+                check=True, out=None):
+        """``update`` without the namespace lookup. ``check``: ``True`` checks the rows (and
+        ``coef``) for NaN/Inf before the product; ``"product"`` checks only the product's
+        diagonal (``Σ s_t y_ti²``: NaN or Inf whenever a row is, at ``n`` reads instead of
+        ``k n``), the rows only to name the fault; ``False`` checks nothing. ``out``: a
+        :func:`gram_buffer` of size ``n`` in the products' dtype that the product is written
+        into (it is overwritten by the next update given the same buffer; with ``keep=True``
+        the returned product lives there)."""
+        if self._sum is None:
+            raise ValueError("this accumulator is spent: finish() handed its sum out as the "
+                             "factor")
         if not hasattr(rows, "shape") or len(rows.shape) < 1 or rows.shape[-1] != self.n:
             raise ValueError(f"rows must have shape (..., {self.n}), got "
                              f"{getattr(rows, 'shape', None)}")
@@ -143,7 +178,7 @@ class FactorAccumulator:
         Y = xp.reshape(rows, (-1, self.n))
         if Y.dtype != pdt:
             Y = xp.astype(Y, pdt)
-        if check:
+        if check is True:
             check_finite(xp, Y, "rows")
         k = Y.shape[0]
         w = self._weights(xp, weights, k, "weights")
@@ -152,15 +187,21 @@ class FactorAccumulator:
             c = xp.reshape(xp.astype(coef, self.dtype), (-1,))
             if c.shape[0] != k:
                 raise ValueError(f"coef has {c.shape[0]} entries but there are {k} rows")
-            if check:
+            if check is True:
                 check_finite(xp, c, "coef")
         if k == 0:
             return None if keep else self
         scale = w if c is None else (c if w is None else c * w)
-        G = _gram(xp, Y, scale)
-        if G.dtype != self.dtype:
-            G = xp.astype(G, self.dtype)
-        self._sum += G
+        G = _gram(xp, Y, scale, out=out)
+        if check == "product":
+            diag = xp.reshape(G, (-1,))[::self.n + 1]
+            if not bool(xp.all(xp.isfinite(diag))):
+                check_finite(xp, Y, "rows")
+                if c is not None:
+                    check_finite(xp, c, "coef")
+                raise ValueError(f"the rows' products overflow {pdt} (rows of size {self.n} "
+                                 f"with entries too large to square)")
+        _add_upper(xp, self._sum, G)
         self._lower_stale = True
         wt = float(k) if w is None else float(xp.sum(w))
         self.weight += wt
@@ -247,6 +288,23 @@ class FactorAccumulator:
         H *= 0.5 / (self.weight * self.divisor)
         return H
 
+    def finish(self):
+        """The factor of :meth:`value` (bitwise the same), formed in place in the running sum
+        and returned without a copy: the accumulator is spent afterwards (any further use
+        raises). Cheaper than ``value()`` for a collection that drops its accumulators."""
+        if self._sum is None:
+            raise ValueError("this accumulator is spent: finish() was called already")
+        if self.weight <= 0:
+            raise ValueError("the accumulator is empty (total weight 0): no rows were added "
+                             "with positive weight")
+        xp, H = self.xp, self._sum
+        if self._lower_stale:
+            H = _mirror_upper(xp, H)
+        # (S + Sᵀ)·(0.5/x) of value() is S·(1/x) exactly: S is symmetric, halving is exact
+        H *= 1.0 / (self.weight * self.divisor)
+        self._sum, self._lower_stale = None, False
+        return H
+
     def state_dict(self) -> dict:
         """``{"sum": packed upper triangle, "packing", "n", "weight", "count", "divisor"}``
         (a copy; the packing is the factor-file layout, ``packing = "upper-colmajor"``)."""
@@ -275,10 +333,22 @@ class FactorAccumulator:
                 f"count={self.count}, divisor={self.divisor:g})")
 
 
-def _gram(xp, Y, scale=None):
+def gram_buffer(xp, n: int, dtype):
+    """A reusable output for the ``n x n`` products of :meth:`FactorAccumulator._update` in
+    ``dtype`` (numpy: Fortran order, which ``?syrk`` writes in place), or ``None`` where the
+    products are formed by a plain matrix product (other namespaces)."""
+    if not _xp.is_numpy(xp):
+        return None
+    import numpy as np
+
+    return np.zeros((int(n), int(n)), dtype=dtype, order="F")
+
+
+def _gram(xp, Y, scale=None, out=None):
     """``Σ_t s_t y_t y_tᵀ`` for the rows of ``Y`` (k x n) in ``Y``'s dtype, its upper triangle
-    exact (the lower one may be zero): one symmetric rank-k update for numpy (scipy's
-    ``?syrk`` on ``√s_t y_t`` when every ``s_t >= 0``), one GEMM otherwise."""
+    exact (the lower one holds anything): one symmetric rank-k update for numpy (scipy's
+    ``?syrk`` on ``√s_t y_t`` when every ``s_t >= 0``, into ``out`` when it is a
+    :func:`gram_buffer` of that size and dtype), one GEMM otherwise."""
     if scale is not None:
         scale = xp.astype(scale, Y.dtype)
     if _xp.is_numpy(xp):
@@ -287,11 +357,48 @@ def _gram(xp, Y, scale=None):
         blas = _syrk(Y.dtype)
         if blas is not None and (scale is None or bool(np.all(scale >= 0))):
             Ys = Y if scale is None else Y * np.sqrt(scale)[:, None]
-            # (n, k) Fortran order: C = Aᵀᵀ A without a copy of the rows
-            return blas(1.0, np.asarray(Ys).T, trans=0)
+            n = Ys.shape[1]
+            # the rows as an (n, k) Fortran-order matrix A (no copy): C = A Aᵀ, its lower
+            # triangle written, so that Cᵀ (C order, like the sums) holds the upper one
+            if (out is not None and out.shape == (n, n) and out.dtype == Ys.dtype
+                    and out.flags.f_contiguous):
+                C = blas(1.0, np.asarray(Ys).T, c=out, trans=0, lower=1, overwrite_c=1)
+            else:
+                C = blas(1.0, np.asarray(Ys).T, trans=0, lower=1)
+            return C.T
     if scale is None:
         return xp.matrix_transpose(Y) @ Y
     return xp.matrix_transpose(Y) @ (Y * scale[:, None])
+
+
+def _add_upper(xp, S, G):
+    """``S += G`` on the upper triangle at least (numpy: block rows of the upper triangle,
+    half the memory traffic; elsewhere the whole matrix). The rest of ``S`` is stale."""
+    if not _xp.is_numpy(xp):
+        S += G
+        return
+    import numpy as np
+
+    n = S.shape[0]
+    for i in range(0, n, _BLOCK):
+        np.add(S[i:i + _BLOCK, i:], G[i:i + _BLOCK, i:], out=S[i:i + _BLOCK, i:])
+
+
+def _mirror_upper(xp, S):
+    """``S`` with its lower triangle replaced by the transposed upper one (numpy: in place,
+    block by block; elsewhere a new array)."""
+    if not _xp.is_numpy(xp):
+        return xp.triu(S) + xp.matrix_transpose(xp.triu(S, k=1))
+    import numpy as np
+
+    n = S.shape[0]
+    for i in range(0, n, _BLOCK):
+        j = min(i + _BLOCK, n)
+        d = S[i:j, i:j]
+        d[...] = np.triu(d) + np.triu(d, 1).T
+        if j < n:
+            S[j:, i:j] = S[i:j, j:].T
+    return S
 
 
 def _syrk(dtype):
@@ -309,10 +416,15 @@ def _syrk(dtype):
 
 
 def token_quadratic(xp, rows, H):
-    """``y_tᵀ H y_t`` for every row of ``rows`` (shape ``(..., n)``), flattened, float64."""
+    """``y_tᵀ H y_t`` for every row of ``rows`` (shape ``(..., n)``), flattened, in H's dtype
+    (the rows are cast only when their dtype differs; one ``(k, n)`` temporary)."""
     n = H.shape[0]
-    Y = xp.reshape(xp.astype(rows, H.dtype), (-1, n))
-    return xp.sum((Y @ H) * Y, axis=1)
+    Y = xp.reshape(rows, (-1, n))
+    if Y.dtype != H.dtype:
+        Y = xp.astype(Y, H.dtype)
+    YH = Y @ H
+    YH *= Y
+    return xp.sum(YH, axis=1)
 
 
 def sequence_mix(xp, seqs, H):

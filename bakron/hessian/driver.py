@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from .. import _xp
 from .._validate import check_finite
-from .accumulate import FactorAccumulator, frobenius_sq, sequence_mix, token_quadratic
+from .accumulate import (FactorAccumulator, frobenius_sq, gram_buffer, sequence_mix,
+                         token_quadratic)
 from .checkpoint import SCHEDULES, bisection_slots, split_point
 from .progress import Progress, progress_bar
 from .stages import HeadContext, is_head, stage_label
@@ -1003,8 +1004,20 @@ class _Run:
         state = {"w": None, "mask": None, "w_tok": None, "sel": None, "shared": None}
         self._state = state
         prod = P["products"]
-        # on a GPU the collected rows are checked with the stages' outputs, once per batch
+        # on a GPU the collected rows are checked with the stages' outputs, once per batch;
+        # on the CPU each product's diagonal is checked (the rows only to name a fault)
         defer = _defer_checks(xp) and self.eng.check
+        chk = False if defer else "product"
+        # reusable outputs of the factor products, by size: one for the shared input products
+        # (kept while q/k/v or gate/up add them) and one for the rest; temporaries of one
+        # update, not counted as buffers
+        scratch = {}
+
+        def out_buffer(size, kept):
+            key = (size, kept)
+            if key not in scratch:
+                scratch[key] = gram_buffer(xp, size, prod)
+            return scratch[key]
 
         def key_of(i, key):
             return f"stage{i}" if key is None else key
@@ -1017,8 +1030,11 @@ class _Run:
                                  f"{name!r}, which is {m} x {n}")
 
         steps = ["kfac"] + ["refine_out", "refine_in"] * self.iters
-        for step in steps:
+        for si, step in enumerate(steps):
             accs = {}
+            # the factor a refinement step replaces holds the new sum (no fresh n x n memory
+            # and its page faults), unless kfac_sink was handed it (the first two steps)
+            reuse = si > 2 or self.kfac_sink is None
             if step == "kfac":
                 for n in names:
                     m_, n_ = P["layer_shapes"][n]
@@ -1029,8 +1045,11 @@ class _Run:
                     H_in, H_out = current[n]
                     fixed = H_in if step == "refine_out" else H_out
                     size = H_out.shape[0] if step == "refine_out" else H_in.shape[0]
+                    old = H_out if step == "refine_out" else H_in
                     accs[n] = FactorAccumulator(size, xp=xp, dtype=acc_dtype, device=dev,
-                                                divisor=frobenius_sq(xp, fixed))
+                                                divisor=frobenius_sq(xp, fixed),
+                                                out=old if reuse else None)
+                    del old
                     # the factor being replaced is no longer needed
                     current[n] = (H_in, None) if step == "refine_out" else (None, H_out)
 
@@ -1075,21 +1094,25 @@ class _Run:
                 if _step == "kfac":
                     if gram is None:
                         sh[2] = _accs[name][0]._update(xp, xs, state["w_tok"], products=prod,
-                                                       keep=True, check=not defer)
+                                                       keep=True, check=chk,
+                                                       out=out_buffer(n, True))
                     else:
                         _accs[name][0].add_product(*gram)
                     # H_out: the mean over the R rows of each position (weights repeated)
-                    _accs[name][1]._update(xp, g, w_tok, products=prod, check=not defer)
+                    _accs[name][1]._update(xp, g, w_tok, products=prod, check=chk,
+                                           out=out_buffer(m, False))
                     return
                 if not seq:
                     # x_tᵀ H x_t >= 0 for the positive semi-definite factor H; clamping the
                     # rounding below 0 keeps the update a symmetric rank-k one (√c_t y_t)
                     if _step == "refine_out":
                         c = xp.maximum(token_quadratic(xp, xs, _fixed[name]), 0.0)
-                        _accs[name]._update(xp, g, w_tok, c, products=prod, check=not defer)
+                        _accs[name]._update(xp, g, w_tok, c, products=prod, check=chk,
+                                            out=out_buffer(m, False))
                     else:
                         c = xp.maximum(token_quadratic(xp, g, _fixed[name]), 0.0)
-                        _accs[name]._update(xp, xs, w_tok, c, products=prod, check=not defer)
+                        _accs[name]._update(xp, xs, w_tok, c, products=prod, check=chk,
+                                            out=out_buffer(n, False))
                     return
                 H_in, H_out = current[name]
                 B = x.shape[0]
@@ -1117,13 +1140,14 @@ class _Run:
             for n in names:   # finalise layer by layer, dropping each accumulator at once
                 acc = accs.pop(n)
                 if step == "kfac":
-                    current[n] = (acc[0].value(), acc[1].value())
+                    current[n] = (acc[0].finish(), acc[1].finish())
                 elif step == "refine_out":
-                    current[n] = (current[n][0], acc.value())
+                    current[n] = (current[n][0], acc.finish())
                 else:
-                    current[n] = (acc.value(), current[n][1])
+                    current[n] = (acc.finish(), current[n][1])
                 del acc
             del accs
+            scratch.clear()
             if step == "kfac" and self.iters and self.kfac_sink is not None:
                 for n in names:
                     self.kfac_sink(n, *current[n])

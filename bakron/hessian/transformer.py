@@ -414,9 +414,12 @@ class Attention:
 # SwiGLU feed-forward
 # --------------------------------------------------------------------------------------------
 def _sigmoid(xp, a):
-    # exp of a non-positive number only: no overflow for large |a|
-    e = xp.exp(-xp.abs(a))
-    return xp.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    """``σ(a) = (1 + tanh(a/2)) / 2``: one transcendental pass, no overflow for large
+    ``|a|`` (a new array)."""
+    s = xp.tanh(a * 0.5)
+    s *= 0.5
+    s += 0.5
+    return s
 
 
 class SwiGLU:
@@ -452,7 +455,10 @@ class SwiGLU:
 
     def forward(self, xp, h):
         a, b = _lin(xp, h, self.W_gate), _lin(xp, h, self.W_up)
-        return _lin(xp, a * _sigmoid(xp, a) * b, self.W_down)
+        s = _sigmoid(xp, a)
+        s *= a
+        s *= b
+        return _lin(xp, s, self.W_down)
 
     def vjp(self, xp, h, delta, collect, need_input_grad=True):
         n_g, n_u, n_d = self.names
@@ -461,9 +467,17 @@ class SwiGLU:
         s = a * sg
         collect(n_d, s * b, delta)
         dh = _lin_t(xp, delta, self.W_down)
-        da = dh * b * (sg * (1.0 + a * (1.0 - sg)))
-        db = dh * s
-        del dh, s, sg
+        # da = dh · b · σ'(silu) with silu' = σ (1 + a (1 - σ)), formed in place in a
+        da = 1.0 - sg
+        da *= a
+        da += 1.0
+        da *= sg
+        da *= b
+        da *= dh
+        del a, b, sg
+        s *= dh
+        db = s
+        del dh, s
         collect(n_g, h, da)
         collect(n_u, h, db)
         if not need_input_grad:
