@@ -326,5 +326,6 @@ def _generate_batch(lm, seqs, ids, n_new, stops, rngs, greedy, temperature, keep
                   lambda a, h, s: _attention_step(xp, a, h, cache, s, pos_x, rows))
         logits = step_logits(z)
         pos = np.where(done, pos, pos + 1)
-    lgs = [np.stack(k) if k else np.zeros((0, logits.shape[-1]), logits.dtype) for k in kept]
+    host_dtype = logits.dtype if isinstance(logits, np.ndarray) else np.float32
+    lgs = [np.stack(k) if k else np.zeros((0, logits.shape[-1]), host_dtype) for k in kept]
     return new, lgs
