@@ -5,17 +5,16 @@ context of the check kernels. The plans (``_cuda_plans``) and the methods
 (``_cuda_methods``) are built on it; ``numba_cuda`` is the engine."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
-from bakron.solvers.options import CudaOptions, defaults
+from bakron.solvers.options import CudaOptions, defaults, environment
 
 from ._cuda_layout import (ASYM, DESC, HAS_T, P_FLAGS, P_GSZ, P_HI, P_LO, P_M, P_N, P_NBLK,
                            P_NSTEPS, P_PERIOD, P_S_COLS, P_S_ROWS, P_Z_COLS, P_Z_ROWS, PRM,
                            TWO_SIDED)
 
-SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"  # numba-cuda's simulator (numba's variable)
+SIM = environment("NUMBA_ENABLE_CUDASIM") == "1"  # numba-cuda's simulator (numba's variable)
 #: set when a raw-pointer launch has failed in this process: every launch then wraps arrays
 _PTR_FAILED = False
 

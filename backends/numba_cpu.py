@@ -51,7 +51,7 @@ __all__ = ["NAME", "CAPABILITIES", "available", "run", "auto_base", "auto_method
 
 from bakron.solvers.engines import (COUNT_NONFINITE, FACTOR_SCAN, QUIET_BLAS, STACK_THREADS,
                                     UNIFORM_FUSED, Capabilities, EngineResult)
-from bakron.solvers.options import NumbaOptions
+from bakron.solvers.options import NumbaOptions, environment
 from bakron.solvers.schedule import (AFTER_BC, AFTER_BOTTOM, AFTER_D, AFTER_RIGHT, Block,
                                      RecursionPlan, two_level)
 
@@ -74,7 +74,7 @@ def _passive_openmp() -> None:
     ``OMP_WAIT_POLICY=PASSIVE`` unless the caller set it, before an OpenMP runtime is loaded
     (it reads the variable once, when it loads). Spinning workers took the cores from BLAS's
     threads between the wavefront's steps (docs/engines.md, "Many cores")."""
-    if "OMP_WAIT_POLICY" in os.environ:
+    if environment("OMP_WAIT_POLICY") is not None:
         return
     try:
         with open("/proc/self/maps") as fh:

@@ -34,6 +34,7 @@ import numpy as np
 
 from . import _safetensors
 from ._lib.errors import InputError, OutputExistsError
+from .solvers.options import environment
 from ._lib.fs import (atomic_write_bytes, atomic_write_json, atomic_write_text,
                       fsync_path as _fsync_path, umask as _umask)
 
@@ -89,7 +90,7 @@ NPZ_MAX_EXPANSION = 100
 
 
 def _npz_member_limit() -> int | None:
-    v = os.environ.get("BAKRON_NPZ_MAX_MEMBER_BYTES")
+    v = environment("BAKRON_NPZ_MAX_MEMBER_BYTES")
     if not v:
         return None
     try:

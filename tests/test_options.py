@@ -118,3 +118,30 @@ def test_bench_option_is_a_usage_error_when_bad(capsys):
     assert "NumbaOptions has no field 'pane'" in capsys.readouterr().err
     o = bakron.NumbaOptions.defaults().with_(panel=128, gather_k=64)
     assert cpu._option_args(o) == ["numba.panel=128", "numba.gather_k=64"]
+
+
+
+def test_every_other_environment_read_is_declared(monkeypatch):
+    """``environment`` reads only the declared variables, and no module but options.py reads
+    ``os.environ`` (handing it to a child process or setting a variable is not a read)."""
+    import pathlib
+    import re
+
+    from bakron.solvers.options import ENVIRONMENT, environment
+
+    monkeypatch.setenv("BAKRON_CACHE", "/somewhere")
+    assert environment("BAKRON_CACHE") == "/somewhere"
+    with pytest.raises(KeyError, match="BAKRON_UNKNOWN.*ENVIRONMENT"):
+        environment("BAKRON_UNKNOWN")
+    assert all(isinstance(v, str) and v for v in ENVIRONMENT.values())
+    root = pathlib.Path(__file__).resolve().parent.parent
+    not_a_read = re.compile(r"dict\(os\.environ\b|os\.environ\.setdefault\(|"
+                            r"os\.environ\[[^]]+\]\s*=[^=]")
+    reads = []
+    for path in sorted([*(root / "bakron").rglob("*.py"), *(root / "backends").rglob("*.py")]):
+        if path.parts[-2:] == ("solvers", "options.py"):
+            continue
+        for k, line in enumerate(path.read_text().splitlines(), 1):
+            if ("os.environ" in line or "os.getenv" in line) and not not_a_read.search(line):
+                reads.append(f"{path.relative_to(root)}:{k}: {line.strip()}")
+    assert not reads, "\n".join(reads)

@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from ..solvers.options import environment
+
 #: the engines' options of every solve of this run (``--option``; ``bakron.solve(options=)``)
 _OPTIONS: tuple = ()
 
@@ -135,10 +137,10 @@ def _machine() -> str:
     from bakron.backends import _numba_kernels
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),)
-    blas_threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
+    blas_threads = environment("OPENBLAS_NUM_THREADS") or "default"
     # how long OpenBLAS's idle threads spin before they sleep: they take cores from numba's
     # threads after every threaded BLAS call (docs/engines.md, "Many cores")
-    timeout = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "default")
+    timeout = environment("OPENBLAS_THREAD_TIMEOUT") or "default"
     return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, numpy "
             f"{np.__version__}, numba {numba.__version__} ({numba.get_num_threads()} threads), "
             f"BLAS: {_numba_kernels.BLAS}, OPENBLAS_NUM_THREADS={blas_threads}, "
@@ -545,7 +547,7 @@ def thread_child(threads: int, sizes, repeats: int, dtype: str, tile: int, bits:
     return {"threads": threads, "pinned": pinned,
             "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else None, "numba_threads": numba.get_num_threads(),
-            "env": {k: os.environ.get(k) for k in _THREAD_VARS}, "machine": _machine(),
+            "env": {k: environment(k) for k in _THREAD_VARS}, "machine": _machine(),
             "rows": rows}
 
 

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from ..solvers.options import environment
+
 
 def _warm(tile, bits, dry=False):
     """Run on every worker before timing: CUDA context and kernel compilation."""
@@ -31,7 +33,7 @@ def _warm(tile, bits, dry=False):
 
     if dry:
         return {"device": "cpu (dry run)", "engine": "array_api", "method": None,
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                "cuda_visible_devices": environment("CUDA_VISIBLE_DEVICES")}
 
     import cupy as cp
 
@@ -46,7 +48,7 @@ def _warm(tile, bits, dry=False):
     cp.cuda.get_current_stream().synchronize()
     return {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
             "engine": r.solve.engine, "method": r.solve.method,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            "cuda_visible_devices": environment("CUDA_VISIBLE_DEVICES")}
 
 
 def _timed_run(jobs, out, ids, tile, bits, log, dry=False):

@@ -17,6 +17,7 @@ import traceback
 import numpy as np
 
 from .._lib.errors import InputError
+from ..solvers.options import environment
 from ._jobs import LayerJob, canonical_settings, load_tensor
 from ._outputs import layer_path, now_iso, verify_layer_file, write_layer_file
 
@@ -38,7 +39,7 @@ def _worker_info() -> dict:
 
 
 def _cuda_available() -> bool:
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    vis = environment("CUDA_VISIBLE_DEVICES")
     if vis is not None and vis.strip() in ("", "-1"):
         return False
     try:
@@ -55,11 +56,11 @@ def _device(setting: str):
         return None, "cpu"
     if setting == "gpu" and not _cuda_available():
         raise RuntimeError("device='gpu' but this worker sees no CUDA device (cupy missing or "
-                           f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+                           f"CUDA_VISIBLE_DEVICES={environment('CUDA_VISIBLE_DEVICES')!r})")
     import cupy
 
     dev = cupy.cuda.Device()
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    vis = environment("CUDA_VISIBLE_DEVICES") or ""
     try:
         name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     except Exception:

@@ -7,9 +7,10 @@ context (a context made before the workers fork or start would pin memory on GPU
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
+
+from ..solvers.options import environment
 
 __all__ = ["visible_gpus", "gpu_cluster", "cpu_cluster"]
 
@@ -18,7 +19,7 @@ def visible_gpus() -> list[str]:
     """The GPU ids this process may use, without touching CUDA: the entries of
     ``CUDA_VISIBLE_DEVICES`` when it is set (indices or UUIDs; empty or ``-1`` means none),
     otherwise one index per ``GPU`` line of ``nvidia-smi -L`` (none when it is missing)."""
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    vis = environment("CUDA_VISIBLE_DEVICES")
     if vis is not None:
         ids = [v.strip() for v in vis.split(",") if v.strip()]
         if not ids or ids[0] == "-1":
@@ -78,7 +79,7 @@ def gpu_cluster(gpus=None, *, host: str = "127.0.0.1", threads_per_worker: int =
                 raise ValueError(f"gpus must be >= 1, got {gpus!r}")
             if len(seen) >= n:
                 ids = seen[:n]
-            elif not seen and os.environ.get("CUDA_VISIBLE_DEVICES") is None \
+            elif not seen and environment("CUDA_VISIBLE_DEVICES") is None \
                     and shutil.which("nvidia-smi") is None:
                 ids = [str(i) for i in range(n)]  # cannot count: trust the caller
             else:

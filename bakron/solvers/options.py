@@ -10,6 +10,9 @@ error names the class and the field. The objects are hashable: the engines key t
 Defaults: the field defaults below, each of which an environment variable may set
 (``CudaOptions.ENV``); this module is the one place that reads them, when the defaults are
 first needed after a change of the variables (docs/engine-contract.md, "Options").
+
+The few other variables bakron reads (the cache folder, a size limit, the GPUs a process may
+use) are declared in :data:`ENVIRONMENT` and read through :func:`environment`, here too.
 """
 from __future__ import annotations
 
@@ -17,7 +20,36 @@ import os
 from dataclasses import dataclass, fields, replace
 
 __all__ = ["CudaOptions", "NumbaOptions", "OPTION_CLASSES", "as_options", "defaults",
-           "parse_option"]
+           "parse_option", "ENVIRONMENT", "environment"]
+
+#: every environment variable bakron reads besides the options' own (``CudaOptions.ENV``,
+#: ``NumbaOptions.ENV``), with what it sets
+ENVIRONMENT = {
+    "BAKRON_CACHE": "the cache folder of the named models and data (bakron.models._fetch)",
+    "XDG_CACHE_HOME": "the base of the default cache folder, ~/.cache when unset",
+    "BAKRON_SMOLLM2_WHEEL": "a local copy of the SmolLM2 wheel (bakron.models.llm.fetch)",
+    "BAKRON_NPZ_MAX_MEMBER_BYTES": "allows an .npz member to expand to this many bytes "
+                                   "(bakron.io: larger expansions are refused as zip bombs)",
+    "CUDA_VISIBLE_DEVICES": "the GPUs a process may use (bakron.distributed)",
+    "NUMBA_ENABLE_CUDASIM": "numba-cuda's simulator: the cuda engine runs on the host",
+    "OMP_WAIT_POLICY": "left as the caller set it; else the numba engine sets PASSIVE "
+                       "before OpenMP loads (workers sleep between parallel regions)",
+    "OPENBLAS_NUM_THREADS": "BLAS threads (recorded on the CPU benchmark pages)",
+    "OPENBLAS_THREAD_TIMEOUT": "BLAS thread timeout (recorded on the CPU benchmark pages)",
+    "NUMBA_NUM_THREADS": "numba threads (recorded on the CPU benchmark pages)",
+    "OMP_NUM_THREADS": "OpenMP threads (recorded on the CPU benchmark pages)",
+    "MKL_NUM_THREADS": "MKL threads (recorded on the CPU benchmark pages)",
+}
+
+
+def environment(name: str):
+    """The value of the environment variable ``name`` (``None`` when unset), which must be one
+    of :data:`ENVIRONMENT`: the one place outside the options where bakron reads the
+    environment."""
+    if name not in ENVIRONMENT:
+        raise KeyError(f"{name!r} is not an environment variable bakron reads (see "
+                       f"bakron.solvers.options.ENVIRONMENT)")
+    return os.environ.get(name)
 
 
 def _check(cls_name: str, name: str, value, kind, low=None, choices=None, what=None):
