@@ -134,6 +134,11 @@ def test_every_other_environment_read_is_declared(monkeypatch):
     with pytest.raises(KeyError, match="BAKRON_UNKNOWN.*ENVIRONMENT"):
         environment("BAKRON_UNKNOWN")
     assert all(isinstance(v, str) and v for v in ENVIRONMENT.values())
+    from bakron.models.llm.fetch import MODELS
+    from bakron.models.minilm import _SPEC
+
+    for spec in [*(m.wheel for m in MODELS.values()), _SPEC]:   # the wheels' variables
+        assert spec.env_var in ENVIRONMENT
     root = pathlib.Path(__file__).resolve().parent.parent
     not_a_read = re.compile(r"dict\(os\.environ\b|os\.environ\.setdefault\(|"
                             r"os\.environ\[[^]]+\]\s*=[^=]")

@@ -28,6 +28,7 @@ ENVIRONMENT = {
     "BAKRON_CACHE": "the cache folder of the named models and data (bakron.models._fetch)",
     "XDG_CACHE_HOME": "the base of the default cache folder, ~/.cache when unset",
     "BAKRON_SMOLLM2_WHEEL": "a local copy of the SmolLM2 wheel (bakron.models.llm.fetch)",
+    "BAKRON_MINILM_WHEEL": "a local copy of the MiniLM wheel (bakron.models.minilm)",
     "BAKRON_NPZ_MAX_MEMBER_BYTES": "allows an .npz member to expand to this many bytes "
                                    "(bakron.io: larger expansions are refused as zip bombs)",
     "CUDA_VISIBLE_DEVICES": "the GPUs a process may use (bakron.distributed)",
