@@ -154,33 +154,20 @@ def _attentions(lm) -> list:
 
 
 def _choose(logits, rngs, greedy, temperature):
-    """Next token per row from host float logits ``(B, V)``: argmax, or a draw from
-    ``softmax(logits / temperature)`` by the inverse CDF of one uniform per row."""
+    """Next token per row (host ``int64`` ids) from float logits ``(B, V)`` of any namespace:
+    argmax, or a draw from ``softmax(logits / temperature)`` by the inverse CDF of one uniform
+    per row (from the row's generator). The work stays where the logits are; only the ``B``
+    ids are copied to the host. (A device's float64 sums may round differently from numpy's,
+    so a draw can differ from the host's when a uniform falls within rounding of a CDF step.)"""
+    xp = _xp.namespace(logits)
     if greedy:
-        return np.argmax(logits, axis=-1)
-    z = logits.astype(np.float64) / temperature
-    z -= z.max(axis=-1, keepdims=True)
-    p = np.exp(z)
-    cdf = np.cumsum(p, axis=-1)
-    u = np.array([r.random() for r in rngs]) * cdf[:, -1]
-    y = np.array([np.searchsorted(cdf[b], u[b], side="right") for b in range(len(rngs))])
-    return np.minimum(y, logits.shape[-1] - 1)
-
-
-def _choose_on_device(xp, logits, rngs, greedy, temperature):
-    """:func:`_choose` for device logits ``(B, V)`` (cupy and other non-numpy namespaces):
-    the same uniforms (one per row from the row's generator), the inverse CDF computed where
-    the logits are, and only the ``B`` chosen ids copied to the host. The float64 sums may
-    round differently from numpy's, so a draw can differ from the host path's when a
-    uniform falls within rounding of a CDF step."""
-    if greedy:
-        return _xp.to_numpy(xp.argmax(logits, axis=-1))
+        return np.asarray(_xp.to_numpy(xp.argmax(logits, axis=-1)), dtype=np.int64)
     z = xp.astype(logits, xp.float64) / temperature
     z = z - xp.max(z, axis=-1, keepdims=True)
     cdf = xp.cumulative_sum(xp.exp(z), axis=-1)
     u = np.array([r.random() for r in rngs])
     thr = xp.asarray(u, device=_xp.device(logits))[:, None] * cdf[:, -1:]
-    y = xp.sum(xp.astype(cdf <= thr, xp.int64), axis=-1)
+    y = xp.sum(xp.astype(cdf <= thr, xp.int64), axis=-1)   # searchsorted(cdf, thr, "right")
     return np.minimum(_xp.to_numpy(y), logits.shape[-1] - 1)
 
 
@@ -285,18 +272,13 @@ def _generate_batch(lm, seqs, ids, n_new, stops, rngs, greedy, temperature, keep
     last = xp.asarray(lengths - 1, **devkw)
     z_last = xp.take_along_axis(z, xp.reshape(last, (B, 1, 1)) * xp.ones(
         (1, 1, z.shape[-1]), dtype=last.dtype, **devkw), axis=1)       # (B, 1, d)
-    # numpy (or logits kept for the caller): choose on the host; else on the device, so that
-    # a step copies B token ids instead of B x vocab logits
+    # logits stay on the device (a step copies back B token ids, not B x vocab logits) unless
+    # they live on the host anyway or are kept for the caller
     on_device = not (_xp.is_numpy(xp) or keep_logits)
 
     def step_logits(z):
         lg = head.logits(xp, z)[:, 0, :]
         return lg if on_device else _xp.to_numpy(lg)
-
-    def choose(lg):
-        if on_device:
-            return _choose_on_device(xp, lg, rngs, greedy, temperature)
-        return _choose(lg, rngs, greedy, temperature)
 
     logits = step_logits(z_last)
 
@@ -306,7 +288,7 @@ def _generate_batch(lm, seqs, ids, n_new, stops, rngs, greedy, temperature, keep
     pos = lengths.copy()             # where each row's next token goes
     rows = xp.asarray(np.arange(B, dtype=np.int64), **devkw)
     for step in range(n_new):
-        y = choose(logits)
+        y = _choose(logits, rngs, greedy, temperature)
         for b in range(B):
             if done[b]:
                 continue
