@@ -239,56 +239,18 @@ def _calibration(lm, n_seqs, gen_batch, seq_len, part_seqs):
                    "generated_tokens_per_s": n_gen * (seq_len - 1) / t_gen}
 
 
-def _grid(W, bits):
-    from bakron.quantizers import UniformQuantizer
-
-    return UniformQuantizer.fit(W, bits, symmetric=False, granularity="group", group_size=64,
-                                method="minmax")
+#: the variants of the ablation run here (llm_ablation.VARIANTS defines them)
+SCALE_VARIANTS = ("rtn", "ldlq", "global", "global-auto", "ldlq-inc", "global-auto-inc")
 
 
-VARIANTS = {
-    "rtn": {"factors": "rtn"},
-    "ldlq": {"factors": "input"},
-    "global": {"factors": "global"},
-    "global-auto": {"factors": "global", "auto": True},
-    "ldlq-inc": {"factors": "input", "incoherence": 0},
-    "global-auto-inc": {"factors": "global", "auto": True, "incoherence": 0},
-}
+def _solve(W, H_in, H_out, bits, variant, tokens, shrink=None):
+    """``W_hat`` (cupy float32) of one variant from K-FAC factors: the ablation's own
+    :func:`llm_ablation.solve_variant` (``H_in`` serves as the local and the K-FAC input
+    factor); ``shrink`` replaces the variant by two-sided with that shrinkage of ``H_out``."""
+    from llm_ablation import VARIANTS, solve_variant
 
-
-def _solve(xp, W, H_in, H_out, bits, v, tokens, shrink=None):
-    """``W_hat`` (cupy float32) of one variant (the ablation's ``solve_variant`` on the GPU)."""
-    from bakron.factors import auto_regularization
-    from bakron.layer import quantize_layer
-
-    rot = None
-    if v.get("incoherence") is not None:
-        from bakron.incoherence import Incoherence
-
-        rot = Incoherence(*W.shape, seed=v["incoherence"])
-        W = rot.rotate_weight(W)
-    q = _grid(W, bits)
-    if v["factors"] == "rtn":
-        vals = q.rtn(W)[0]
-    else:
-        Ho = None if v["factors"] == "input" else H_out
-        Hi = H_in
-        if rot is not None:
-            Hi = rot.rotate_in(Hi)
-            Ho = None if Ho is None else rot.rotate_out(Ho)
-        kw = {}
-        if Ho is not None:
-            if shrink is not None:
-                kw["shrink_out"], kw["damp_out"] = shrink, 0.01
-            elif v.get("auto"):
-                kw["shrink_out"], kw["damp_out"] = auto_regularization(Ho.shape[0], tokens)
-            else:
-                kw["shrink_out"], kw["damp_out"] = 0.0, 0.01
-        vals = quantize_layer(W, Hi, Ho, quantizer=q, tile=(16, 16), damp=0.01,
-                              metrics="none", **kw).values
-    if rot is not None:
-        vals = rot.unrotate_weight(vals)
-    return xp.astype(vals, xp.float32)
+    v = VARIANTS[variant] if shrink is None else {"factors": "global", "shrink": shrink}
+    return solve_variant(W, {"kin": H_in, "in": H_in, "out": H_out}, bits, v, tokens)
 
 
 def _proxy(xp, E, H_in, H_out):
@@ -363,8 +325,7 @@ def scale(args):
                 Ti, To = fold[1 - tr]
                 row = {"layer": n, "train": tr, "m": int(W[n].shape[0])}
                 for s in (None,) + SHRINKS:
-                    v = VARIANTS["ldlq"] if s is None else VARIANTS["global"]
-                    Wh = _solve(xp, W[n], Hi, Ho, 3, v, toks[tr], shrink=s)
+                    Wh = _solve(W[n], Hi, Ho, 3, "ldlq", toks[tr], shrink=s)
                     E = xp.astype(Wh, xp.float64) - xp.astype(W[n], xp.float64)
                     row["ldlq" if s is None else f"s{s}"] = _proxy(xp, E, Ti, To)
                 cv.append(row)
@@ -374,9 +335,8 @@ def scale(args):
                 if time.perf_counter() > deadline + args.grace:
                     say("deadline: skipping the remaining variants")
                     break
-                v = VARIANTS[vname]
                 t0 = time.perf_counter()
-                new = {n: _solve(xp, W[n], full[n][0], full[n][1], bits, v, total)
+                new = {n: _solve(W[n], full[n][0], full[n][1], bits, vname, total)
                        for n in names}
                 _sync()
                 t_solve = time.perf_counter() - t0
@@ -539,7 +499,7 @@ def _quality(rows, args):
 def _ratio_table(abl):
     """LDLQ's KL and every other variant's ratio to it, news / docs (docs/llm.md)."""
     idx = {(r["size"], r["bits"], r["variant"]): r for r in abl}
-    others = [v for v in VARIANTS if v not in ("rtn", "ldlq")
+    others = [v for v in SCALE_VARIANTS if v not in ("rtn", "ldlq")
               and any(k[2] == v for k in idx)]
     print("\n| tokens | bits | LDLQ KL ± s.e. (news / docs) | " + " | ".join(others) + " |")
     print("|---|---|---|" + "---|" * len(others))
@@ -596,7 +556,8 @@ def main(argv=None):
     s = sub.add_parser("scale")
     s.add_argument("--out", required=True)
     s.add_argument("--sizes", default="65536,262144,1048576")
-    s.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    s.add_argument("--variants", nargs="+", default=list(SCALE_VARIANTS),
+                   choices=list(SCALE_VARIANTS))
     s.add_argument("--gen-batch", type=int, default=1024)
     s.add_argument("--seq-len", type=int, default=SEQ_LEN)
     s.add_argument("--part-seqs", type=int, default=PART_SEQS)

@@ -177,11 +177,15 @@ def grid_of(W, bits):
 
 
 def solve_variant(W, F, bits, v, tokens, tile=(16, 16)):
-    """``W_hat`` of one variant: ``v`` is a dict (``factors`` rtn|input|global|local_in,
-    optional ``shrink``, ``damp_out``, ``kfac_out``, ``auto``, ``incoherence`` (a seed: both
-    sides rotated before rounding, bakron.incoherence; the grid is fitted to the rotated W))."""
+    """``W_hat`` (float32, in ``W``'s namespace: numpy, or cupy on a GPU) of one variant:
+    ``v`` is a dict (``factors`` rtn|input|global|local_in, optional ``shrink``, ``damp_out``,
+    ``kfac_out``, ``auto``, ``incoherence`` (a seed: both sides rotated before rounding,
+    bakron.incoherence; the grid is fitted to the rotated W))."""
+    from bakron import _xp
     from bakron.factors import auto_regularization
     from bakron.layer import quantize_layer
+
+    xp = _xp.namespace(W)
 
     rot = None
     if v.get("incoherence") is not None:
@@ -193,7 +197,7 @@ def solve_variant(W, F, bits, v, tokens, tile=(16, 16)):
     kind = v["factors"]
     if kind == "rtn":
         vals = q.rtn(W)[0]
-        return np.asarray(vals if rot is None else rot.unrotate_weight(vals), np.float32)
+        return xp.astype(vals if rot is None else rot.unrotate_weight(vals), xp.float32)
     H_in = F["kin"] if kind in ("input", "local_in") else F["in"]
     H_out = None if kind == "input" else (F["kout"] if v.get("kfac_out") else F["out"])
     if rot is not None:
@@ -208,7 +212,7 @@ def solve_variant(W, F, bits, v, tokens, tile=(16, 16)):
             kw["shrink_out"] = v.get("shrink", 0.0)
             kw["damp_out"] = v.get("damp_out", 0.01)
     r = quantize_layer(W, H_in, H_out, quantizer=q, tile=tile, damp=0.01, metrics="none", **kw)
-    return np.asarray(r.values if rot is None else rot.unrotate_weight(r.values), np.float32)
+    return xp.astype(r.values if rot is None else rot.unrotate_weight(r.values), xp.float32)
 
 
 VARIANTS = {
