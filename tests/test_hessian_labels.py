@@ -15,6 +15,15 @@ def _seqs(lengths, seed):
     return [list(rng.integers(0, V, size=n)) for n in lengths]
 
 
+def _model_probs(w, ids):
+    """The model's next-token probabilities ``(B, T, V)`` for the id batch ``ids``."""
+    chain = _chain(w, labels=None)
+    h = ids
+    for st in chain[:-1]:
+        h = st.forward(np, h)
+    return np.exp(chain[-1].log_softmax(np, h))
+
+
 def _exact_factors(w, seqs):
     """``H_out = (1/N) Σ_t' Σ_y p_t'(y) g g ᵀ`` with ``g`` the layer-output gradients of the loss
     at position ``t'`` alone with label ``y``: the expectation over independent labels drawn
@@ -22,11 +31,7 @@ def _exact_factors(w, seqs):
     acc, N = {}, 0
     for s in seqs:
         ids = np.asarray([s])
-        chain = _chain(w, labels=None)
-        h = ids
-        for st in chain[:-1]:
-            h = st.forward(np, h)
-        p = np.exp(chain[-1].log_softmax(np, h))[0]          # (T, V)
+        p = _model_probs(w, ids)[0]          # (T, V)
         N += len(s)
         for t in range(len(s)):
             for y in range(V):
@@ -147,11 +152,7 @@ def test_refinement_with_all_labels_is_the_exact_expectation(refine):
     terms = {}   # key -> [(p_y, x, g)]
     for s in seqs:
         ids = np.asarray([s])
-        chain = _chain(w, labels=None)
-        h = ids
-        for st in chain[:-1]:
-            h = st.forward(np, h)
-        p = np.exp(chain[-1].log_softmax(np, h))[0, 0]
+        p = _model_probs(w, ids)[0, 0]
         for y in range(V):
             _, rows, _ = _run_chain(np, _chain(w, labels=[np.asarray([[y]])]), ids)
             for key, (X, G) in rows.items():
