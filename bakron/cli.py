@@ -229,17 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"folder for the report and plot (default ./{DEFAULT_DEMO_OUT}/)")
     d.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="auto uses the GPU when cupy sees one (default auto)")
-    d.add_argument("--bits", type=_bits_list, default=(2, 3, 4), metavar="B[,B...]",
-                   help="bit widths (default 2,3,4)")
+    d.add_argument("--bits", type=_bits_list, default=None, metavar="B[,B...]",
+                   help="bit widths (default 3,4 for smollm2, 2,3,4 for minilm and mlp)")
     d.add_argument("--quick", action="store_true", help="a smaller, faster run")
     d.add_argument("--calib", choices=("docs", "generated+docs", "generated"), default="docs",
                    help="smollm2 only: calibrate on the Language Reference sentences (docs), "
                         "those plus as many tokens sampled from the model (generated+docs), "
                         "or the sampled text alone (default docs)")
     d.add_argument("--calib-tokens", type=_positive_int, default=None, metavar="N",
-                   help="smollm2 only: the calibration set's size in tokens (default: 64 "
-                        "sentences, about 1,600 tokens); the Hessian passes' time is "
-                        "predicted before they start")
+                   help="smollm2 only: the calibration set's size in tokens (default "
+                        "6400); the Hessian passes' time is predicted before they start")
     d.add_argument("--quiet", action="store_true", help="no progress output")
     d.set_defaults(func=_cmd_demo)
 
@@ -526,7 +525,9 @@ def _cmd_demo(args) -> int:
             if args.model != "smollm2":
                 raise UsageError("--calib-tokens applies to --model smollm2 only")
             extra["calib_tokens"] = args.calib_tokens
-        result = mod.run(args.out, device=args.device, bits=tuple(args.bits), quick=args.quick,
+        if args.bits is not None:   # else the demo's own default
+            extra["bits"] = tuple(args.bits)
+        result = mod.run(args.out, device=args.device, quick=args.quick,
                          progress=not args.quiet, **extra)
     except OSError as exc:
         if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ == "URLError":

@@ -1,0 +1,174 @@
+"""Two-sided against one-sided through ``bakron quantize-model`` itself (issue: the whole model).
+
+Every run is one call of :func:`bakron.quantize_model.quantize_model` — the function behind
+``bakron quantize-model smollm2 --format float --asym --group-size 64`` — with one setting
+of calibration text and size, ``--factors``, ``--labels`` and ``--incoherence``; all 210
+linear layers are rounded. The quantized weights are scored against the original model on
+
+* ``lee``: the first 16 Lee news documents (64 tokens each; another domain),
+* ``docs``: 24 held-out sentences of the Language Reference (topics never used for
+  calibration),
+* ``gen``: text sampled from the model with another seed than any calibration text
+  (``--heldout-seed``; 24 sequences of 128 tokens) — the calibration distribution, never an
+  evaluation text, so the setting chosen by it is chosen on calibration data only,
+
+with the KL of every text kept, so that the ratio of two methods' mean KLs has a paired
+standard error (:func:`ratio`). Rows are appended to ``--out`` as they finish.
+
+    python scripts/qm_ablation.py run --out runs.json --device gpu \
+        --calib generated+docs --seqs 128 --factors input global --bits 3 4
+    python scripts/qm_ablation.py table runs.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TEXTS = ("lee", "docs", "gen")
+
+
+def say(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _append(path, row):
+    path = Path(path)
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows.append(row)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    os.replace(tmp, path)
+
+
+def _reference(lm, heldout_seed, n_gen=24, seq_len=128):
+    from bakron.models.llm.calibration import calibration_ids
+    from bakron.models.llm.evaluation import _Reference, evaluation_texts
+
+    texts = evaluation_texts(lm)
+    gen = calibration_ids(lm, n_gen * seq_len, mix="generated", seq_len=seq_len,
+                          seed=heldout_seed)
+    texts["gen"] = (gen, f"{n_gen} sequences sampled from the model, seed {heldout_seed}")
+    return _Reference(lm, texts, 16)
+
+
+def run(args):
+    from bakron.demo._common import namespace
+    from bakron.models import load_llm
+    from bakron.quantize_model import quantize_model
+
+    xp, _ = namespace(args.device)
+    lm = load_llm("smollm2", xp=xp)
+    ref = _reference(lm, args.heldout_seed)
+    deadline = time.perf_counter() + args.deadline
+    grid = itertools.product(args.calib, args.seqs, args.bits, args.incoherence, args.factors,
+                             args.labels)
+    seen = set()
+    for calib, seqs, bits, inc, factors, labels in grid:
+        if factors in ("rtn", "input"):
+            labels = "sample"   # (ignored there: no H_out)
+        key = (calib, seqs, bits, inc, factors, labels)
+        if key in seen:
+            continue
+        seen.add(key)
+        if time.perf_counter() > deadline:
+            say(f"deadline: skipping {key}")
+            continue
+        work = Path(tempfile.mkdtemp(prefix="qm-"))
+        t0 = time.perf_counter()
+        try:
+            res = quantize_model("smollm2", work / "out", fmt="float", factors=factors,
+                                 bits=bits, group_size=64, sym=False, calib=calib,
+                                 calib_seqs=seqs, device=args.device, labels=labels,
+                                 incoherence=None if inc < 0 else inc, keep_weights=True,
+                                 progress=False)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        wall = time.perf_counter() - t0
+        weights = {n: xp.asarray(w) for n, w in res["weights"].items()}
+        figs = ref.score(lm.with_weights(weights))
+        row = {"calib": calib, "seqs": seqs, "tokens": res["calibration"]["tokens"],
+               "bits": bits, "incoherence": inc, "factors": factors, "labels": labels,
+               "wall": wall, "seconds": res["seconds"], "device": res["device"],
+               **{f"{k}_{m}": figs[k][m] for k in figs
+                  for m in ("kl", "kl_text_sem", "kl_per_text", "perplexity")}}
+        say(f"{calib} {seqs}x128 {bits}b inc={inc} {factors} {labels}: " + "  ".join(
+            f"{k} {figs[k]['kl']:.4f}±{figs[k]['kl_text_sem']:.4f}" for k in figs)
+            + f"  ({wall:.0f} s)")
+        _append(args.out, row)
+
+
+def ratio(a, b):
+    """Ratio of mean KLs over the same texts and its delta-method standard error (paired)."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    r = a.mean() / b.mean()
+    d = (a - r * b) / b.mean()
+    return r, float(d.std(ddof=1) / math.sqrt(d.size))
+
+
+def table(args):
+    rows = []
+    for f in args.results:
+        rows += json.loads(Path(f).read_text())
+
+    def base_of(r):
+        for q in rows:
+            if (q["calib"], q["seqs"], q["bits"], q["incoherence"], q["factors"]) == (
+                    r["calib"], r["seqs"], r["bits"], r["incoherence"], "input"):
+                return q
+        return None
+
+    print("| calibration | tokens | bits | incoherence | factors | labels | "
+          + " | ".join(f"{k} KL ± s.e. | ÷ input ± s.e." for k in TEXTS) + " | wall (s) |")
+    print("|---" * (7 + 2 * len(TEXTS)) + "|")
+    for r in sorted(rows, key=lambda r: (r["calib"], r["tokens"], r["bits"], r["incoherence"],
+                                         r["factors"] != "input", r["factors"], r["labels"])):
+        base = base_of(r)
+        cells = []
+        for k in TEXTS:
+            if f"{k}_kl" not in r:
+                cells += ["", ""]
+                continue
+            cells.append(f"{r[f'{k}_kl']:.4f} ± {r[f'{k}_kl_text_sem']:.4f}")
+            if base is None or base is r:
+                cells.append("")
+            else:
+                q, s = ratio(r[f"{k}_kl_per_text"], base[f"{k}_kl_per_text"])
+                cells.append(f"{q:.3f} ± {s:.3f}")
+        inc = "none" if r["incoherence"] < 0 else str(r["incoherence"])
+        print(f"| {r['calib']} | {r['tokens']} | {r['bits']} | {inc} | {r['factors']} | "
+              f"{r['labels']} | " + " | ".join(cells) + f" | {r['wall']:.0f} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--calib", nargs="+", default=["builtin"])
+    r.add_argument("--seqs", nargs="+", type=int, default=[32])
+    r.add_argument("--bits", nargs="+", type=int, default=[3, 4])
+    r.add_argument("--factors", nargs="+", default=["input", "global"])
+    r.add_argument("--labels", nargs="+", default=["sample"])
+    r.add_argument("--incoherence", nargs="+", type=int, default=[-1],
+                   help="seeds; -1 for none")
+    r.add_argument("--heldout-seed", type=int, default=1000)
+    r.add_argument("--deadline", type=float, default=1e9, help="seconds; then stop starting runs")
+    t = sub.add_parser("table")
+    t.add_argument("results", nargs="+")
+    args = p.parse_args(argv)
+    {"run": run, "table": table}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
