@@ -635,14 +635,10 @@ class LMHead:
         parts = []
         for s in range(0, n, step):   # (p - onehot(y)) W = p W - W[y]: no one-hot matrix
             e = min(n, s + step)
-            p = _softmax(xp, Z[s:e, ...] @ self.W_out.T)
+            p = _softmax_(xp, Z[s:e, ...] @ self.W_out.T)
             if given is None:
-                cdf = xp.cumulative_sum(xp.astype(p, xp.float64), axis=-1)
-                below = xp.astype(cdf < u[s:e, None], xp.int8)
-                del cdf
-                y = xp.sum(below, axis=-1, dtype=xp.int64)
-                del below
-                y = xp.minimum(y, xp.asarray(V - 1, dtype=xp.int64, device=dev))
+                y = xp.minimum(_inverse_cdf(xp, p, u[s:e]),
+                               xp.asarray(V - 1, dtype=xp.int64, device=dev))
             else:
                 y = given[s:e]
                 y = xp.where(y >= 0, y, xp.zeros_like(y))
@@ -684,19 +680,17 @@ class LMHead:
         out = [[] for _ in range(R)]
         for s in range(0, n, step):
             e = min(n, s + step)
-            p = _softmax(xp, Z[s:e, ...] @ W.T)
+            p = _softmax_(xp, Z[s:e, ...] @ W.T)
             k = None if keep is None else xp.astype(keep[s:e], p.dtype)[:, None]
             rows = []
             if self.estimator == "sample":
-                cdf = xp.cumulative_sum(xp.astype(p, xp.float64), axis=-1)
+                ys = [xp.minimum(_inverse_cdf(xp, p, u[r, s:e]),
+                                 xp.asarray(V - 1, dtype=xp.int64, device=dev))
+                      for r in range(R)]
                 pW = p @ W
                 del p
-                for r in range(R):
-                    y = xp.sum(xp.astype(cdf < u[r, s:e, None], xp.int8), axis=-1,
-                               dtype=xp.int64)
-                    y = xp.minimum(y, xp.asarray(V - 1, dtype=xp.int64, device=dev))
+                for y in ys:
                     rows.append(pW - xp.take(W, y, axis=0))
-                del cdf
             else:   # the top-K terms √p_y (p − e_y), then the remainder's mean row √q (m − p)
                 top = self._top(xp, p, top_k)                          # (b, K)
                 pt = xp.take_along_axis(p, top, axis=-1)
@@ -775,11 +769,63 @@ def parse_labels(spec: str, vocab: int, owner: str = "labels"):
                      f"'fisher:K' (K a positive integer), got {spec!r}")
 
 
-def _softmax(xp, a):
-    """Softmax over the last axis, holding at most two arrays of ``a``'s size at a time."""
-    a = a - xp.max(a, axis=-1, keepdims=True)
+def _softmax_(xp, a):
+    """Softmax over the last axis of the caller's temporary ``a``, formed in its memory where
+    the namespace allows (``a`` is overwritten): one array of ``a``'s size more at most."""
+    a -= xp.max(a, axis=-1, keepdims=True)
     a = xp.exp(a)
-    return a / xp.sum(a, axis=-1, keepdims=True)
+    a /= xp.sum(a, axis=-1, keepdims=True)
+    return a
+
+
+#: columns per block of :func:`_inverse_cdf`'s two-level running sum
+_CDF_BLOCK = 512
+
+
+def _inverse_cdf(xp, p, u):
+    """``#{j : c_j < u_t}`` for every row ``t`` of ``p`` ``(b, V)``, where ``c`` is the float64
+    running sum of the row: the count that ``sum(cumulative_sum(astype(p, float64)) < u)``
+    gives (the label drawn by the inverse CDF, before clamping to ``V - 1``), without a
+    float64 copy of ``p`` or a running sum over the whole vocabulary.
+
+    Two levels: float64 sums of blocks of :data:`_CDF_BLOCK` columns locate the block where
+    ``u`` falls, and the running sum inside that block only gives the count. Any two orders
+    of summing the same non-negative terms differ by at most about ``V·2⁻⁵³`` times the row
+    sum, so the count is the running sum's whenever ``u`` is farther than that from every
+    partial sum the two levels look at; a row where it is not (probability of order 1e-11
+    per row) is counted from its whole running sum, as before.
+    """
+    b, V = p.shape
+    f64, dev = xp.float64, _xp.device(p)
+    blk = min(_CDF_BLOCK, V)
+    nf = V // blk                       # full blocks; the rest is one shorter block
+    sums = xp.sum(xp.reshape(p[:, :nf * blk], (b, nf, blk)), axis=-1, dtype=f64)
+    if nf * blk < V:
+        sums = xp.concat([sums, xp.sum(p[:, nf * blk:], axis=-1, dtype=f64,
+                                       keepdims=True)], axis=1)
+    nb = sums.shape[1]
+    ends = xp.cumulative_sum(sums, axis=-1)
+    starts = xp.concat([xp.zeros((b, 1), dtype=f64, device=dev), ends[:, :-1]], axis=1)
+    uu = u[:, None]
+    k = xp.sum(xp.astype(ends < uu, xp.int64), axis=-1)           # blocks wholly below u
+    kk = xp.minimum(k, xp.asarray(nb - 1, dtype=xp.int64, device=dev))[:, None]
+    cols = kk * blk + xp.arange(blk, dtype=xp.int64, device=dev)[None, :]
+    valid = cols < V
+    cols = xp.minimum(cols, xp.asarray(V - 1, dtype=xp.int64, device=dev))
+    start = xp.take_along_axis(starts, kk, axis=1)
+    c = start + xp.cumulative_sum(xp.astype(xp.take_along_axis(p, cols, axis=1), f64), axis=-1)
+    y = kk[:, 0] * blk + xp.sum(xp.astype((c < uu) & valid, xp.int64), axis=-1)
+    # the margin: twice a bound on either order's rounding (with room for the block levels)
+    tol = 2.0 * (V + 2 * blk + nb + 4) * 2.0 ** -53 * (ends[:, -1:] + 1e-300)
+    far = xp.where(valid, xp.abs(c - uu), xp.full_like(c, math.inf))
+    end = xp.take_along_axis(ends, kk, axis=1)
+    ok = ((uu - start > 4 * tol) & ((k[:, None] >= nb) | (end - uu > 4 * tol))
+          & (xp.min(far, axis=-1, keepdims=True) > 3 * tol))[:, 0]
+    if not bool(xp.all(ok)):
+        bad = xp.nonzero(~ok)[0]
+        cdf = xp.cumulative_sum(xp.astype(xp.take(p, bad, axis=0), f64), axis=-1)
+        y[bad] = xp.sum(xp.astype(cdf < xp.take(u, bad, axis=0)[:, None], xp.int64), axis=-1)
+    return y
 
 
 def _log_softmax(xp, a):
