@@ -367,10 +367,32 @@ class Attention:
         _, _, q, k, v, _ = self._prepare(xp, h)
         return _lin(xp, self._merge(xp, self._attend(xp, q, k, v)), self.Wo)
 
-    def vjp(self, xp, h, delta, collect, need_input_grad=True):
+    def forward_tape(self, xp, h):
+        """The output and the tape its VJP reads instead of recomputing the forward: the
+        rotated ``q`` and ``k``, ``v``, the heads' merged outputs (``Wo``'s input), and with
+        q/k norms their inputs. The probabilities are recomputed (``H·T`` per token)."""
+        q_pre, k_pre, q, k, v, _ = self._prepare(xp, h)
+        O = self._merge(xp, self._attend(xp, q, k, v))
+        tape = (q, k, v, O) + ((q_pre, k_pre) if self.q_norm is not None else ())
+        return _lin(xp, O, self.Wo), tape
+
+    def tape_bytes(self, in_shape, itemsize: int) -> int:
+        """Bytes of :meth:`forward_tape`'s tape for an input of shape ``in_shape``."""
+        per = 2 * self.H * self.hd + 2 * self.K * self.hd
+        if self.q_norm is not None:
+            per += (self.H + self.K) * self.hd
+        return math.prod(tuple(in_shape)[:-1]) * per * int(itemsize)
+
+    def vjp(self, xp, h, delta, collect, need_input_grad=True, tape=None):
         n_q, n_k, n_v, n_o = self.names
-        q_pre, k_pre, q, k, v, (cos, sin) = self._prepare(xp, h)
+        if tape is None:
+            q_pre, k_pre, q, k, v, _ = self._prepare(xp, h)
+            Om = None
+        else:
+            q, k, v, Om = tape[:4]
+            q_pre, k_pre = tape[4:] if self.q_norm is not None else (None, None)
         B, _, T, hd = q.shape
+        cos, sin = self._rope(xp, T, q.dtype, _xp.device(q))
         scale = 1.0 / math.sqrt(hd)
         dO = self._heads(xp, _lin_t(xp, delta, self.Wo), self.H)
         O, dq, dk, dv = [], [], [], []
@@ -379,7 +401,8 @@ class Attention:
             b = min(step, B - s)
             qg, ks, vs = self._group(xp, q[s:s + b, ...]), k[s:s + b, ...], v[s:s + b, ...]
             P = self._probs(xp, qg, ks)                                  # (b, K, rep·T, T)
-            O.append(self._ungroup(xp, P @ vs))
+            if Om is None:
+                O.append(self._ungroup(xp, P @ vs))
             dOg = self._group(xp, dO[s:s + b, ...])
             dv.append(xp.matrix_transpose(P) @ dOg)                      # sums the shared heads
             dP = dOg @ xp.matrix_transpose(vs)
@@ -392,8 +415,8 @@ class Attention:
             dk.append(xp.matrix_transpose(dS) @ qg)
             del dS
         cat = (lambda a: a[0] if len(a) == 1 else xp.concat(a, axis=0))
-        collect(n_o, self._merge(xp, cat(O)), delta)
-        del O, dO
+        collect(n_o, self._merge(xp, cat(O)) if Om is None else Om, delta)
+        del O, Om, dO
         dq, dk, dv = cat(dq), cat(dk), cat(dv)
         # back through the rotation (q_r = q cos + R(q) sin) and the optional q/k norm
         dq = dq * cos + _rotate_half_t(xp, dq * sin)
@@ -460,10 +483,26 @@ class SwiGLU:
         s *= b
         return _lin(xp, s, self.W_down)
 
-    def vjp(self, xp, h, delta, collect, need_input_grad=True):
-        n_g, n_u, n_d = self.names
+    def forward_tape(self, xp, h):
+        """The output and the tape its VJP reads instead of recomputing the gate and up
+        projections: ``a = gate x``, ``b = up x`` and ``σ(a)``."""
         a, b = _lin(xp, h, self.W_gate), _lin(xp, h, self.W_up)
         sg = _sigmoid(xp, a)
+        s = a * sg
+        s *= b
+        return _lin(xp, s, self.W_down), (a, b, sg)
+
+    def tape_bytes(self, in_shape, itemsize: int) -> int:
+        """Bytes of :meth:`forward_tape`'s tape for an input of shape ``in_shape``."""
+        return math.prod(tuple(in_shape)[:-1]) * 3 * self.W_gate.shape[0] * int(itemsize)
+
+    def vjp(self, xp, h, delta, collect, need_input_grad=True, tape=None):
+        n_g, n_u, n_d = self.names
+        if tape is None:
+            a, b = _lin(xp, h, self.W_gate), _lin(xp, h, self.W_up)
+            sg = _sigmoid(xp, a)
+        else:
+            a, b, sg = tape
         s = a * sg
         collect(n_d, s * b, delta)
         dh = _lin_t(xp, delta, self.W_down)
