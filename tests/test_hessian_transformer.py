@@ -439,11 +439,13 @@ class _NoTape:
         return getattr(self._stage, name)
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_tapes_give_bitwise_the_recomputed_factors(qk_norm, monkeypatch):
+@pytest.mark.parametrize("qk_norm,probs", [(False, True), (True, True), (True, False)])
+def test_tapes_give_bitwise_the_recomputed_factors(qk_norm, probs, monkeypatch):
     """Store-all keeps each block's tape for its VJP: the same factors bitwise as recomputing
     the forward inside the VJP, the attention's projections run once per pass, the tapes are
-    counted in the plan and the ledger, and a budget schedule still gives the same factors."""
+    counted in the plan and the ledger, and a budget schedule still gives the same factors.
+    ``probs``: whether the attention's tape holds its probabilities (short sequences)."""
+    monkeypatch.setattr(bh.Attention, "_tape_probs", lambda self, T: probs)
     w = _weights(14, n_blocks=2, qk_norm=qk_norm)
     rng = np.random.default_rng(15)
     seqs = [list(rng.integers(0, V, size=n)) for n in (5, 4, 3, 5)]

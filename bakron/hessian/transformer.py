@@ -205,10 +205,23 @@ def _rotate_half(xp, x):
     return xp.concat([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def _rotate_half_t(xp, y):
-    """The transpose of :func:`_rotate_half` (its VJP)."""
+def _rope_apply(xp, x, cos, sin):
+    """``x cos + rotate_half(x) sin`` (a new array), without the rotated copy: bitwise the
+    same, ``-(b·s)`` added being ``b·s`` subtracted."""
+    h = x.shape[-1] // 2
+    out = x * cos
+    out[..., :h] -= x[..., h:] * sin[..., :h]
+    out[..., h:] += x[..., :h] * sin[..., h:]
+    return out
+
+
+def _rope_apply_t(xp, y, cos, sin):
+    """The transpose of :func:`_rope_apply` (its VJP): ``y cos + rotate_halfᵀ(y sin)``."""
     h = y.shape[-1] // 2
-    return xp.concat([y[..., h:], -y[..., :h]], axis=-1)
+    out = y * cos
+    out[..., :h] += y[..., h:] * sin[..., h:]
+    out[..., h:] -= y[..., :h] * sin[..., :h]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,8 +325,7 @@ class Attention:
         else:
             q, k = q_pre, k_pre
         cos, sin = self._rope(xp, T, x.dtype, _xp.device(x))
-        q = q * cos + _rotate_half(xp, q) * sin
-        k = k * cos + _rotate_half(xp, k) * sin
+        q, k = _rope_apply(xp, q, cos, sin), _rope_apply(xp, k, cos, sin)
         return q_pre, k_pre, q, k, v, (cos, sin)
 
     def _group(self, xp, y):
@@ -343,16 +355,18 @@ class Attention:
         """Causal softmax of ``q kᵀ / sqrt(hd)`` per group: (b, K, rep·T, T) for grouped
         queries ``qg`` (:meth:`_group`)."""
         T, hd = k.shape[2], k.shape[3]
-        S = (qg @ xp.matrix_transpose(k)) * (1.0 / math.sqrt(hd))
-        S = S + self._causal(xp, T, S.dtype, _xp.device(qg))
-        S = S - xp.max(S, axis=-1, keepdims=True)
+        S = qg @ xp.matrix_transpose(k)
+        S *= 1.0 / math.sqrt(hd)
+        S += self._causal(xp, T, S.dtype, _xp.device(qg))
+        S -= xp.max(S, axis=-1, keepdims=True)
         E = xp.exp(S)
         del S
         E /= xp.sum(E, axis=-1, keepdims=True)
         return E
 
-    def _attend(self, xp, q, k, v):
-        """(B, H, T, hd) outputs of the heads, ``score_bytes`` worth of sequences at a time."""
+    def _attend(self, xp, q, k, v, keep=None):
+        """(B, H, T, hd) outputs of the heads, ``score_bytes`` worth of sequences at a time;
+        ``keep``: a list that receives each chunk's probabilities."""
         B, _, T, hd = q.shape
         step = self._chunk(B, T, xp.finfo(q.dtype).bits // 8)
         outs = []
@@ -361,36 +375,52 @@ class Attention:
             qg = self._group(xp, q[s:s + b, ...])
             P = self._probs(xp, qg, k[s:s + b, ...])
             outs.append(self._ungroup(xp, P @ v[s:s + b, ...]))
+            if keep is not None:
+                keep.append(P)
         return outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
 
     def forward(self, xp, h):
         _, _, q, k, v, _ = self._prepare(xp, h)
         return _lin(xp, self._merge(xp, self._attend(xp, q, k, v)), self.Wo)
 
+    def _tape_probs(self, T: int) -> bool:
+        """Whether the tape keeps the probabilities: when they are no larger than the rest
+        of the tape (``H·T <= 2 (H + K) hd`` per token: short sequences); else the VJP
+        recomputes them."""
+        return self.H * int(T) <= 2 * (self.H + self.K) * self.hd
+
     def forward_tape(self, xp, h):
         """The output and the tape its VJP reads instead of recomputing the forward: the
-        rotated ``q`` and ``k``, ``v``, the heads' merged outputs (``Wo``'s input), and with
-        q/k norms their inputs. The probabilities are recomputed (``H·T`` per token)."""
+        rotated ``q`` and ``k``, ``v``, the heads' merged outputs (``Wo``'s input), with q/k
+        norms their inputs, and for short sequences the probabilities
+        (:meth:`_tape_probs`)."""
         q_pre, k_pre, q, k, v, _ = self._prepare(xp, h)
-        O = self._merge(xp, self._attend(xp, q, k, v))
-        tape = (q, k, v, O) + ((q_pre, k_pre) if self.q_norm is not None else ())
+        probs = [] if self._tape_probs(q.shape[2]) else None
+        O = self._merge(xp, self._attend(xp, q, k, v, probs))
+        tape = (q, k, v, O, None if probs is None else tuple(probs))
+        tape += (q_pre, k_pre) if self.q_norm is not None else ()
         return _lin(xp, O, self.Wo), tape
 
     def tape_bytes(self, in_shape, itemsize: int) -> int:
         """Bytes of :meth:`forward_tape`'s tape for an input of shape ``in_shape``."""
+        T = tuple(in_shape)[-2]
         per = 2 * self.H * self.hd + 2 * self.K * self.hd
         if self.q_norm is not None:
             per += (self.H + self.K) * self.hd
+        if self._tape_probs(T):
+            per += self.H * T
         return math.prod(tuple(in_shape)[:-1]) * per * int(itemsize)
 
     def vjp(self, xp, h, delta, collect, need_input_grad=True, tape=None):
         n_q, n_k, n_v, n_o = self.names
+        probs = None
         if tape is None:
             q_pre, k_pre, q, k, v, _ = self._prepare(xp, h)
             Om = None
         else:
-            q, k, v, Om = tape[:4]
-            q_pre, k_pre = tape[4:] if self.q_norm is not None else (None, None)
+            q, k, v, Om, probs = tape[:5]
+            q_pre, k_pre = tape[5:] if self.q_norm is not None else (None, None)
+        del tape
         B, _, T, hd = q.shape
         cos, sin = self._rope(xp, T, q.dtype, _xp.device(q))
         scale = 1.0 / math.sqrt(hd)
@@ -400,7 +430,8 @@ class Attention:
         for s in range(0, B, step):
             b = min(step, B - s)
             qg, ks, vs = self._group(xp, q[s:s + b, ...]), k[s:s + b, ...], v[s:s + b, ...]
-            P = self._probs(xp, qg, ks)                                  # (b, K, rep·T, T)
+            # (b, K, rep·T, T): the forward's chunk (the same step) or recomputed
+            P = self._probs(xp, qg, ks) if probs is None else probs[len(dq)]
             if Om is None:
                 O.append(self._ungroup(xp, P @ vs))
             dOg = self._group(xp, dO[s:s + b, ...])
@@ -419,8 +450,7 @@ class Attention:
         del O, Om, dO
         dq, dk, dv = cat(dq), cat(dk), cat(dv)
         # back through the rotation (q_r = q cos + R(q) sin) and the optional q/k norm
-        dq = dq * cos + _rotate_half_t(xp, dq * sin)
-        dk = dk * cos + _rotate_half_t(xp, dk * sin)
+        dq, dk = _rope_apply_t(xp, dq, cos, sin), _rope_apply_t(xp, dk, cos, sin)
         if self.q_norm is not None:
             dq = _rms_vjp(xp, q_pre, self.q_norm, self.eps, dq)
             dk = _rms_vjp(xp, k_pre, self.k_norm, self.eps, dk)
