@@ -66,8 +66,12 @@ def _rms_forward(xp, x, w, eps):
     return (xh if w is None else xh * w), xh, r
 
 
-def _rms_vjp(xp, x, w, eps, dy):
-    _, xh, r = _rms_forward(xp, x, None, eps)
+def _rms_vjp(xp, x, w, eps, dy, r=None):
+    """The VJP of :func:`_rms_forward`; ``r``: its ``1/sqrt(mean(x²) + eps)`` if kept."""
+    if r is None:
+        _, xh, r = _rms_forward(xp, x, None, eps)
+    else:
+        xh = x * r
     d = dy if w is None else dy * w
     return r * (d - xh * xp.mean(d * xh, axis=-1, keepdims=True))
 
@@ -98,8 +102,18 @@ class RMSNorm:
     def forward(self, xp, h):
         return _rms_forward(xp, h, self.weight, self.eps)[0]
 
-    def vjp(self, xp, h, delta, collect, need_input_grad=True):
-        return _rms_vjp(xp, h, self.weight, self.eps, delta) if need_input_grad else None
+    def forward_tape(self, xp, h):
+        """The output and the tape of its VJP: the reciprocal RMS per position."""
+        y, _, r = _rms_forward(xp, h, self.weight, self.eps)
+        return y, r
+
+    def tape_bytes(self, in_shape, itemsize: int) -> int:
+        return math.prod(tuple(in_shape)[:-1]) * int(itemsize)
+
+    def vjp(self, xp, h, delta, collect, need_input_grad=True, tape=None):
+        if not need_input_grad:
+            return None
+        return _rms_vjp(xp, h, self.weight, self.eps, delta, tape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -839,10 +853,13 @@ def parse_labels(spec: str, vocab: int, owner: str = "labels"):
 
 
 def _softmax_(xp, a):
-    """Softmax over the last axis of the caller's temporary ``a``, formed in its memory where
-    the namespace allows (``a`` is overwritten): one array of ``a``'s size more at most."""
+    """Softmax over the last axis of the caller's temporary ``a``, formed in its memory
+    (numpy, cupy; ``a`` is overwritten), elsewhere with one array of ``a``'s size more."""
     a -= xp.max(a, axis=-1, keepdims=True)
-    a = xp.exp(a)
+    if _xp.is_numpy(xp) or _xp.is_cupy(xp):
+        xp.exp(a, out=a)
+    else:
+        a = xp.exp(a)
     a /= xp.sum(a, axis=-1, keepdims=True)
     return a
 
