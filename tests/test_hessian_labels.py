@@ -173,3 +173,28 @@ def test_refinement_with_all_labels_is_the_exact_expectation(refine):
             N * np.sum(Ho1 * Ho1))
         np.testing.assert_allclose(fac[key][1], Ho1, rtol=1e-8, atol=1e-12 * np.abs(Ho1).max())
         np.testing.assert_allclose(fac[key][0], Hi1, rtol=1e-8, atol=1e-12 * np.abs(Hi1).max())
+
+
+@pytest.mark.parametrize("V,dtype", [(49152, np.float32), (1500, np.float32), (7, np.float64),
+                                     (1024, np.float64)])
+def test_inverse_cdf_counts_as_the_float64_running_sum(V, dtype):
+    """The two-level label draw gives bitwise the count of the float64 running sum over the
+    whole vocabulary, also for uniforms that sit exactly on a partial sum (the rows it must
+    count in full), at 0 and beyond the row's total."""
+    from bakron.hessian.transformer import _inverse_cdf, _softmax_
+
+    rng = np.random.default_rng(V)
+    b = 64
+    logits = (rng.standard_normal((b, V)) * 4).astype(dtype)
+    logits[: b // 4, : V // 2] -= 200.0       # rows with a long run of (near) zero terms
+    p = _softmax_(np, logits.copy())
+    cdf = np.cumsum(p.astype(np.float64), axis=-1)
+    u = rng.random(b)
+    j = rng.integers(0, V, size=b)
+    u[:8] = cdf[np.arange(8), j[:8]]           # exactly on a partial sum
+    u[8:12] = np.nextafter(cdf[np.arange(8, 12), j[8:12]], 2.0)
+    u[12], u[13] = 0.0, np.nextafter(cdf[13, -1], 2.0)
+    want = np.sum(cdf < u[:, None], axis=-1)
+    got = _inverse_cdf(np, p, u)
+    np.testing.assert_array_equal(got, want)
+    assert got[13] == V and got[12] == 0

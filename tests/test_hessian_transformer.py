@@ -427,6 +427,58 @@ def test_schedules_give_identical_factors():
             assert len(rep.leaf_ranges) > 1
 
 
+class _NoTape:
+    """A stage without ``forward_tape``: its VJP recomputes its forward."""
+
+    def __init__(self, stage):
+        self._stage = stage
+
+    def __getattr__(self, name):
+        if name in ("forward_tape", "tape_bytes"):
+            raise AttributeError(name)
+        return getattr(self._stage, name)
+
+
+@pytest.mark.parametrize("qk_norm,probs", [(False, True), (True, True), (True, False)])
+def test_tapes_give_bitwise_the_recomputed_factors(qk_norm, probs, monkeypatch):
+    """Store-all keeps each block's tape for its VJP: the same factors bitwise as recomputing
+    the forward inside the VJP, the attention's projections run once per pass, the tapes are
+    counted in the plan and the ledger, and a budget schedule still gives the same factors.
+    ``probs``: whether the attention's tape holds its probabilities (short sequences)."""
+    monkeypatch.setattr(bh.Attention, "_tape_probs", lambda self, T: probs)
+    w = _weights(14, n_blocks=2, qk_norm=qk_norm)
+    rng = np.random.default_rng(15)
+    seqs = [list(rng.integers(0, V, size=n)) for n in (5, 4, 3, 5)]
+    batches, _ = bh.pad_batches(seqs, batch_size=2)
+    calls = []
+    prepare = bh.Attention._prepare
+    monkeypatch.setattr(bh.Attention, "_prepare",
+                        lambda self, xp, x: calls.append(1) or prepare(self, xp, x))
+    ref, rep0 = bh.global_factors([_NoTape(s) for s in _chain(w, labels=None)[:-1]]
+                                  + _chain(w, labels=None)[-1:], batches, seed=2,
+                                  refine_iters=1, checkpoint="store_all")
+    n_ref, calls[:] = len(calls), []
+    got, rep = bh.global_factors(_chain(w, labels=None), batches, seed=2, refine_iters=1,
+                                 checkpoint="store_all")
+    assert list(got) == list(ref)
+    for key in ref:
+        for a, b in zip(ref[key], got[key]):
+            assert np.array_equal(a, b), key
+    # 2 attention stages, 2 batches, 3 passes: one _prepare per forward (twice without tapes)
+    assert len(calls) == 2 * 2 * 3 and n_ref == 2 * len(calls)
+    assert rep.peak_bytes == rep.planned_peak_bytes
+    assert rep.peak_activation_bytes > rep0.peak_activation_bytes
+    chain = _chain(w, labels=None)
+    tape = sum(st.tape_bytes(tuple(batches[0].shape) + (D,), 8) for st in chain[1:-1])
+    assert rep.peak_activation_bytes - rep0.peak_activation_bytes == tape
+    small, rep2 = bh.global_factors(chain, batches, seed=2, refine_iters=1,
+                                    checkpoint="binomial", snapshots=2, budget_bytes=10 ** 9)
+    assert rep2.recompute_factor > 1.0 and rep2.peak_bytes == rep2.planned_peak_bytes
+    for key in ref:
+        for a, b in zip(ref[key], small[key]):
+            assert np.array_equal(a, b), key
+
+
 def test_weights_combine_with_padding():
     w = _weights(14)
     rng = np.random.default_rng(15)

@@ -152,11 +152,14 @@ class HessianReport:
 # --------------------------------------------------------------------------------------------
 # the reversal of one batch over stages [c, b), generic over a real or a dry-run engine
 # --------------------------------------------------------------------------------------------
-def _advance(eng, ledger, i, j, h, owned):
-    """Run stages i..j-1 forward from ``h``; returns the state at j and whether it is owned."""
+def _advance(eng, ledger, i, j, h, owned, keep=False):
+    """Run stages i..j-1 forward from ``h``; returns the state at j and whether it is owned.
+    ``keep``: stage j-1's VJP follows this evaluation: keep its tape (counted as activations)."""
     for k in range(i, j):
-        h2 = eng.forward(k, h)
+        h2 = eng.forward(k, h, keep and k == j - 1)
         ledger.alloc("act", eng.nbytes(h2))
+        if keep and k == j - 1:
+            ledger.alloc("act", eng.tape_nbytes(k), 0)
         if owned:
             ledger.free("act", eng.nbytes(h))
         h, owned = h2, True
@@ -176,15 +179,18 @@ def _reverse(eng, ledger, c, b, h_c, d_b, schedule, s, need_bottom):
         i, j, si = stack.pop()
         if j - i == 1:
             if delta is None:  # the loss sits right after this stage
-                z = eng.forward(i, ckpt[i])
+                z = eng.forward(i, ckpt[i], True)
                 ledger.alloc("act", eng.nbytes(z))
+                ledger.alloc("act", eng.tape_nbytes(i), 0)
                 delta = eng.head(z)
                 ledger.alloc("act", eng.nbytes(delta))
                 ledger.free("act", eng.nbytes(z))
                 del z
                 d_owned = True
             need = need_bottom or i > c
+            tape = eng.tape_nbytes(i)
             d_new = eng.vjp(i, ckpt[i], delta, need)
+            ledger.free("act", tape, 0)
             if d_new is not None:
                 ledger.alloc("act", eng.nbytes(d_new))
             if d_owned:
@@ -197,7 +203,8 @@ def _reverse(eng, ledger, c, b, h_c, d_b, schedule, s, need_bottom):
             del h
             continue
         m = split_point(j - i, schedule, si)
-        h, _ = _advance(eng, ledger, i, i + m, ckpt[i], False)
+        # with m = 1 stage i's VJP follows this evaluation (no recomputation): keep its tape
+        h, _ = _advance(eng, ledger, i, i + m, ckpt[i], False, m == 1)
         ckpt[i + m] = h
         owned.add(i + m)
         del h
@@ -207,18 +214,26 @@ def _reverse(eng, ledger, c, b, h_c, d_b, schedule, s, need_bottom):
 
 
 class _DryEngine:
-    """States are byte counts: the same control code computes the memory a schedule needs."""
+    """States are byte counts: the same control code computes the memory a schedule needs.
+    ``tapes``: the bytes of each stage's tape (``None``: no stage keeps one)."""
 
-    def __init__(self, sizes):
+    def __init__(self, sizes, tapes=None):
         self.sizes = sizes
+        self.tapes = tapes
+        self.kept = set()
         self.evals = self.vjps = self.heads = 0
 
     @staticmethod
     def nbytes(x):
         return x
 
-    def forward(self, i, h):
+    def tape_nbytes(self, i):
+        return self.tapes[i] if i in self.kept else 0
+
+    def forward(self, i, h, keep=False):
         self.evals += 1
+        if keep and self.tapes is not None and self.tapes[i]:
+            self.kept.add(i)
         return self.sizes[i + 1]
 
     def head(self, z):
@@ -227,12 +242,14 @@ class _DryEngine:
 
     def vjp(self, i, h, d, need):
         self.vjps += 1
+        self.kept.discard(i)
         return self.sizes[i] if need else None
 
 
-def _simulate(sizes, a, c, b, loss, schedule, s):
-    """Peak activation bytes and counts of one batch's sweep: advance a→c, reverse [c, b)."""
-    eng, led = _DryEngine(sizes), _Ledger()
+def _simulate(sizes, a, c, b, loss, schedule, s, tapes=None):
+    """Peak activation bytes and counts of one batch's sweep: advance a→c, reverse [c, b).
+    ``tapes``: bytes of each stage's tape (kept where its VJP follows its evaluation)."""
+    eng, led = _DryEngine(sizes, tapes), _Ledger()
     h, owned = _advance(eng, led, a, c, sizes[a], False)
     if owned:  # a split pass moves h_c into the cache
         led.move("act", "cache", h)
@@ -274,8 +291,10 @@ class _Skip:
 
 
 class _Planner:
-    def __init__(self, sizes, batch_sizes, buf_bytes, names_at, budget, checkpoint, snapshots):
+    def __init__(self, sizes, batch_sizes, buf_bytes, names_at, budget, checkpoint, snapshots,
+                 tapes=None):
         self.sizes = sizes                # bytes of state l (largest batch), l = 0..L
+        self.tapes = tapes                # bytes of stage l's tape (largest batch), or None
         self.batch_sizes = batch_sizes    # per batch: bytes of state l
         self.buf = buf_bytes              # factor-buffer bytes per stage
         self.names_at = names_at
@@ -291,7 +310,7 @@ class _Planner:
         return sum(bs[c] for bs in self.batch_sizes)
 
     def _fits(self, a, c, b, s, avail, schedule):
-        peak = _simulate(self.sizes, a, c, b, b == self.L, schedule, s)[0]
+        peak = _simulate(self.sizes, a, c, b, b == self.L, schedule, s, self.tapes)[0]
         return peak <= avail, peak
 
     def choose(self, a, c, b, avail, minimum=1):
@@ -376,7 +395,7 @@ class _Planner:
             s = bisection_slots(b - a)
         else:
             sched, s = "binomial", min(s or 1, b - a)
-        need_act = _simulate(self.sizes, a, a, b, b == self.L, sched, s)[0]
+        need_act = _simulate(self.sizes, a, a, b, b == self.L, sched, s, self.tapes)[0]
         layers = ", ".join(repr(n) for i in range(a, b) for n in self.names_at[i])
         msg = (f"budget_bytes={self.budget} is too small: collecting layer(s) {layers} "
                f"(stages {a}..{b - 1}) needs {self.buffers(a, b)} bytes of factor buffers + "
@@ -425,6 +444,7 @@ class _Engine:
         self.vjp_done = None      # called after each stage's vjp (drops per-stage caches)
         self.evals = self.vjps = self.heads = 0
         self.pending = []         # (what, device count of non-finite entries), see flush()
+        self.tapes = {}           # stage index -> (tape, bytes): kept for its next VJP
 
     def nbytes(self, x):
         return math.prod(x.shape) * _itemsize(self.xp, x.dtype)
@@ -453,9 +473,21 @@ class _Engine:
             if bad:
                 self._raise_nonfinite(what, int(bad))
 
-    def forward(self, i, h):
+    def tape_nbytes(self, i):
+        return self.tapes[i][1] if i in self.tapes else 0
+
+    def forward(self, i, h, keep=False):
+        """Stage ``i``'s output; ``keep``: its VJP follows, so keep the stage's tape (when it
+        has ``forward_tape`` and the head draws one row per position)."""
         self.evals += 1
-        y = self.body[i].forward(self.xp, h)
+        stage = self.body[i]
+        if keep and self.draws == 1 and hasattr(stage, "forward_tape"):
+            if i in self.tapes:
+                raise RuntimeError(f"stage {stage_label(stage, i)}: a tape is kept already")
+            y, tape = stage.forward_tape(self.xp, h)
+            self.tapes[i] = (tape, _tape_nbytes(self, tape))
+        else:
+            y = stage.forward(self.xp, h)
         if tuple(y.shape) != self.shapes[i + 1]:
             raise ValueError(f"stage {stage_label(self.body[i], i)} returned shape "
                              f"{tuple(y.shape)}, but its out_shape promised {self.shapes[i + 1]}")
@@ -479,7 +511,9 @@ class _Engine:
         stage = self.body[i]
         if self.draws > 1:   # one VJP over all the head's rows: the input repeated per row
             h = self.xp.concat([h] * self.draws, axis=0)
-        r = stage.vjp(self.xp, h, d, self.collect_for(i), need_input_grad=need)
+        kw = {"tape": self.tapes.pop(i)[0]} if i in self.tapes else {}
+        r = stage.vjp(self.xp, h, d, self.collect_for(i), need_input_grad=need, **kw)
+        del kw
         if self.vjp_done is not None:
             self.vjp_done()
         if need:
@@ -582,6 +616,15 @@ def _token_weights(xp, w, lead, mask=None):
         return None
     w = xp.reshape(w, tuple(w.shape) + (1,) * (len(lead) - len(w.shape)))
     return xp.reshape(xp.broadcast_to(w, lead), (-1,))
+
+
+def _tape_nbytes(eng, tape):
+    """Bytes of the arrays in a (nested) tape."""
+    if tape is None:
+        return 0
+    if isinstance(tape, (tuple, list)):
+        return sum(_tape_nbytes(eng, t) for t in tape)
+    return eng.nbytes(tape)
 
 
 def _itemsize(xp, dtype):
@@ -765,7 +808,12 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     sizes = [max(bs[l] for bs in batch_sizes) for l in range(len(body) + 1)]
     buf = [sum((layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item for n in names)
            for names in names_at]
-    planner = _Planner(sizes, batch_sizes, buf, names_at, budget_bytes, checkpoint, snapshots)
+    tapes = None   # a stage's tape: kept for its VJP where that follows its evaluation
+    if _head_draws(head) == 1 and any(hasattr(st, "forward_tape") for st in body):
+        tapes = [max(int(st.tape_bytes(sh[i], itemsize)) for sh in shapes)
+                 if hasattr(st, "forward_tape") else 0 for i, st in enumerate(body)]
+    planner = _Planner(sizes, batch_sizes, buf, names_at, budget_bytes, checkpoint, snapshots,
+                       tapes)
     plan = planner.plan(0, len(body), 0)
     return dict(xp=xp, body=body, head=head, batches=batches, weights=weights, masks=masks,
                 shapes=shapes, tokens=tokens,

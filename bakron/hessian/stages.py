@@ -21,6 +21,19 @@ object with
 ``arrays() -> tuple``
     its parameter arrays (used to check that everything lives in one namespace).
 
+Optionally, a stage whose VJP would recompute part of its forward may keep it instead:
+
+``forward_tape(xp, h) -> (array, tape)``
+    the output (bitwise that of ``forward``) and a *tape*: arrays (in nested tuples) that its
+    ``vjp`` reads when called with ``tape=`` instead of recomputing them (the same values, so
+    the factors are bitwise the same either way);
+``tape_bytes(in_shape, itemsize) -> int``
+    the bytes of that tape for an input of shape ``in_shape`` and activations of ``itemsize``
+    bytes.
+
+The driver keeps a tape only where a stage's VJP follows its last forward evaluation (all of
+them under the store-all schedule) and counts it as activations in its plan and ledger.
+
 A **head** has ``is_head = True``, ``check_input(in_shape)`` and ``grad(xp, z, ctx)`` returning
 ``∂loss/∂z`` for the chain's output ``z``; ``ctx`` (:class:`HeadContext`) carries the batch
 index, the seed, the batch's inputs and its token mask. A head may set ``draws = R`` (default 1):
@@ -239,7 +252,8 @@ class Residual:
     """``y = x + g(x)`` with ``g`` a sub-chain of stages (a transformer block's skip path).
 
     Linear weights inside are named ``"{name}.{inner key}"`` (inner ``None`` keys become the
-    inner position). The VJP recomputes and keeps the sub-chain's activations while it runs.
+    inner position). The VJP recomputes and keeps the sub-chain's activations while it runs,
+    unless it is handed the tape of :meth:`forward_tape`.
     """
 
     def __init__(self, stages, *, name: str):
@@ -285,18 +299,50 @@ class Residual:
             y = s.forward(xp, y)
         return h + y
 
-    def vjp(self, xp, h, delta, collect, need_input_grad=True):
-        states = [h]
-        for s in self.stages[:-1]:
-            states.append(s.forward(xp, states[-1]))
+    def forward_tape(self, xp, h):
+        """The output and the tape of the sub-chain: the inner stages' inputs (but ``h``)
+        and the tapes of the inner stages that have one (:meth:`vjp` then recomputes
+        nothing)."""
+        states, tapes = [], []
+        y = h
+        for j, s in enumerate(self.stages):
+            if j:
+                states.append(y)
+            if hasattr(s, "forward_tape"):
+                y, t = s.forward_tape(xp, y)
+            else:
+                y, t = s.forward(xp, y), None
+            tapes.append(t)
+        return h + y, (tuple(states), tuple(tapes))
+
+    def tape_bytes(self, in_shape, itemsize: int) -> int:
+        """Bytes of :meth:`forward_tape`'s tape for an input of shape ``in_shape``."""
+        total, shape = 0, tuple(in_shape)
+        for j, s in enumerate(self.stages):
+            if j:
+                total += int(np.prod(shape)) * int(itemsize)
+            if hasattr(s, "tape_bytes"):
+                total += int(s.tape_bytes(shape, itemsize))
+            shape = tuple(s.out_shape(shape))
+        return total
+
+    def vjp(self, xp, h, delta, collect, need_input_grad=True, tape=None):
+        if tape is None:
+            states, tapes = [h], [None] * len(self.stages)
+            for s in self.stages[:-1]:
+                states.append(s.forward(xp, states[-1]))
+        else:
+            states, tapes = [h, *tape[0]], list(tape[1])
+        del tape
         names = {(j, k): full for j, k, full in self._keys}
         d = delta
         for j in range(len(self.stages) - 1, -1, -1):
             def inner(key, x, g, _j=j):
                 collect(names[(_j, key)], x, g)
+            kw = {} if tapes[j] is None else {"tape": tapes[j]}
             d = self.stages[j].vjp(xp, states[j], d, inner,
-                                   need_input_grad=(j > 0 or need_input_grad))
-            states[j] = None
+                                   need_input_grad=(j > 0 or need_input_grad), **kw)
+            states[j] = tapes[j] = None
         return (delta + d) if need_input_grad else None
 
 

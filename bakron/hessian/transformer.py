@@ -66,8 +66,12 @@ def _rms_forward(xp, x, w, eps):
     return (xh if w is None else xh * w), xh, r
 
 
-def _rms_vjp(xp, x, w, eps, dy):
-    _, xh, r = _rms_forward(xp, x, None, eps)
+def _rms_vjp(xp, x, w, eps, dy, r=None):
+    """The VJP of :func:`_rms_forward`; ``r``: its ``1/sqrt(mean(x²) + eps)`` if kept."""
+    if r is None:
+        _, xh, r = _rms_forward(xp, x, None, eps)
+    else:
+        xh = x * r
     d = dy if w is None else dy * w
     return r * (d - xh * xp.mean(d * xh, axis=-1, keepdims=True))
 
@@ -98,8 +102,18 @@ class RMSNorm:
     def forward(self, xp, h):
         return _rms_forward(xp, h, self.weight, self.eps)[0]
 
-    def vjp(self, xp, h, delta, collect, need_input_grad=True):
-        return _rms_vjp(xp, h, self.weight, self.eps, delta) if need_input_grad else None
+    def forward_tape(self, xp, h):
+        """The output and the tape of its VJP: the reciprocal RMS per position."""
+        y, _, r = _rms_forward(xp, h, self.weight, self.eps)
+        return y, r
+
+    def tape_bytes(self, in_shape, itemsize: int) -> int:
+        return math.prod(tuple(in_shape)[:-1]) * int(itemsize)
+
+    def vjp(self, xp, h, delta, collect, need_input_grad=True, tape=None):
+        if not need_input_grad:
+            return None
+        return _rms_vjp(xp, h, self.weight, self.eps, delta, tape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,10 +219,23 @@ def _rotate_half(xp, x):
     return xp.concat([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def _rotate_half_t(xp, y):
-    """The transpose of :func:`_rotate_half` (its VJP)."""
+def _rope_apply(xp, x, cos, sin):
+    """``x cos + rotate_half(x) sin`` (a new array), without the rotated copy: bitwise the
+    same, ``-(b·s)`` added being ``b·s`` subtracted."""
+    h = x.shape[-1] // 2
+    out = x * cos
+    out[..., :h] -= x[..., h:] * sin[..., :h]
+    out[..., h:] += x[..., :h] * sin[..., h:]
+    return out
+
+
+def _rope_apply_t(xp, y, cos, sin):
+    """The transpose of :func:`_rope_apply` (its VJP): ``y cos + rotate_halfᵀ(y sin)``."""
     h = y.shape[-1] // 2
-    return xp.concat([y[..., h:], -y[..., :h]], axis=-1)
+    out = y * cos
+    out[..., :h] += y[..., h:] * sin[..., h:]
+    out[..., h:] -= y[..., :h] * sin[..., :h]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,8 +339,7 @@ class Attention:
         else:
             q, k = q_pre, k_pre
         cos, sin = self._rope(xp, T, x.dtype, _xp.device(x))
-        q = q * cos + _rotate_half(xp, q) * sin
-        k = k * cos + _rotate_half(xp, k) * sin
+        q, k = _rope_apply(xp, q, cos, sin), _rope_apply(xp, k, cos, sin)
         return q_pre, k_pre, q, k, v, (cos, sin)
 
     def _group(self, xp, y):
@@ -343,16 +369,18 @@ class Attention:
         """Causal softmax of ``q kᵀ / sqrt(hd)`` per group: (b, K, rep·T, T) for grouped
         queries ``qg`` (:meth:`_group`)."""
         T, hd = k.shape[2], k.shape[3]
-        S = (qg @ xp.matrix_transpose(k)) * (1.0 / math.sqrt(hd))
-        S = S + self._causal(xp, T, S.dtype, _xp.device(qg))
-        S = S - xp.max(S, axis=-1, keepdims=True)
+        S = qg @ xp.matrix_transpose(k)
+        S *= 1.0 / math.sqrt(hd)
+        S += self._causal(xp, T, S.dtype, _xp.device(qg))
+        S -= xp.max(S, axis=-1, keepdims=True)
         E = xp.exp(S)
         del S
         E /= xp.sum(E, axis=-1, keepdims=True)
         return E
 
-    def _attend(self, xp, q, k, v):
-        """(B, H, T, hd) outputs of the heads, ``score_bytes`` worth of sequences at a time."""
+    def _attend(self, xp, q, k, v, keep=None):
+        """(B, H, T, hd) outputs of the heads, ``score_bytes`` worth of sequences at a time;
+        ``keep``: a list that receives each chunk's probabilities."""
         B, _, T, hd = q.shape
         step = self._chunk(B, T, xp.finfo(q.dtype).bits // 8)
         outs = []
@@ -361,16 +389,54 @@ class Attention:
             qg = self._group(xp, q[s:s + b, ...])
             P = self._probs(xp, qg, k[s:s + b, ...])
             outs.append(self._ungroup(xp, P @ v[s:s + b, ...]))
+            if keep is not None:
+                keep.append(P)
         return outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
 
     def forward(self, xp, h):
         _, _, q, k, v, _ = self._prepare(xp, h)
         return _lin(xp, self._merge(xp, self._attend(xp, q, k, v)), self.Wo)
 
-    def vjp(self, xp, h, delta, collect, need_input_grad=True):
+    def _tape_probs(self, T: int) -> bool:
+        """Whether the tape keeps the probabilities: when they are no larger than the rest
+        of the tape (``H·T <= 2 (H + K) hd`` per token: short sequences); else the VJP
+        recomputes them."""
+        return self.H * int(T) <= 2 * (self.H + self.K) * self.hd
+
+    def forward_tape(self, xp, h):
+        """The output and the tape its VJP reads instead of recomputing the forward: the
+        rotated ``q`` and ``k``, ``v``, the heads' merged outputs (``Wo``'s input), with q/k
+        norms their inputs, and for short sequences the probabilities
+        (:meth:`_tape_probs`)."""
+        q_pre, k_pre, q, k, v, _ = self._prepare(xp, h)
+        probs = [] if self._tape_probs(q.shape[2]) else None
+        O = self._merge(xp, self._attend(xp, q, k, v, probs))
+        tape = (q, k, v, O, None if probs is None else tuple(probs))
+        tape += (q_pre, k_pre) if self.q_norm is not None else ()
+        return _lin(xp, O, self.Wo), tape
+
+    def tape_bytes(self, in_shape, itemsize: int) -> int:
+        """Bytes of :meth:`forward_tape`'s tape for an input of shape ``in_shape``."""
+        T = tuple(in_shape)[-2]
+        per = 2 * self.H * self.hd + 2 * self.K * self.hd
+        if self.q_norm is not None:
+            per += (self.H + self.K) * self.hd
+        if self._tape_probs(T):
+            per += self.H * T
+        return math.prod(tuple(in_shape)[:-1]) * per * int(itemsize)
+
+    def vjp(self, xp, h, delta, collect, need_input_grad=True, tape=None):
         n_q, n_k, n_v, n_o = self.names
-        q_pre, k_pre, q, k, v, (cos, sin) = self._prepare(xp, h)
+        probs = None
+        if tape is None:
+            q_pre, k_pre, q, k, v, _ = self._prepare(xp, h)
+            Om = None
+        else:
+            q, k, v, Om, probs = tape[:5]
+            q_pre, k_pre = tape[5:] if self.q_norm is not None else (None, None)
+        del tape
         B, _, T, hd = q.shape
+        cos, sin = self._rope(xp, T, q.dtype, _xp.device(q))
         scale = 1.0 / math.sqrt(hd)
         dO = self._heads(xp, _lin_t(xp, delta, self.Wo), self.H)
         O, dq, dk, dv = [], [], [], []
@@ -378,8 +444,10 @@ class Attention:
         for s in range(0, B, step):
             b = min(step, B - s)
             qg, ks, vs = self._group(xp, q[s:s + b, ...]), k[s:s + b, ...], v[s:s + b, ...]
-            P = self._probs(xp, qg, ks)                                  # (b, K, rep·T, T)
-            O.append(self._ungroup(xp, P @ vs))
+            # (b, K, rep·T, T): the forward's chunk (the same step) or recomputed
+            P = self._probs(xp, qg, ks) if probs is None else probs[len(dq)]
+            if Om is None:
+                O.append(self._ungroup(xp, P @ vs))
             dOg = self._group(xp, dO[s:s + b, ...])
             dv.append(xp.matrix_transpose(P) @ dOg)                      # sums the shared heads
             dP = dOg @ xp.matrix_transpose(vs)
@@ -392,12 +460,11 @@ class Attention:
             dk.append(xp.matrix_transpose(dS) @ qg)
             del dS
         cat = (lambda a: a[0] if len(a) == 1 else xp.concat(a, axis=0))
-        collect(n_o, self._merge(xp, cat(O)), delta)
-        del O, dO
+        collect(n_o, self._merge(xp, cat(O)) if Om is None else Om, delta)
+        del O, Om, dO
         dq, dk, dv = cat(dq), cat(dk), cat(dv)
         # back through the rotation (q_r = q cos + R(q) sin) and the optional q/k norm
-        dq = dq * cos + _rotate_half_t(xp, dq * sin)
-        dk = dk * cos + _rotate_half_t(xp, dk * sin)
+        dq, dk = _rope_apply_t(xp, dq, cos, sin), _rope_apply_t(xp, dk, cos, sin)
         if self.q_norm is not None:
             dq = _rms_vjp(xp, q_pre, self.q_norm, self.eps, dq)
             dk = _rms_vjp(xp, k_pre, self.k_norm, self.eps, dk)
@@ -460,10 +527,26 @@ class SwiGLU:
         s *= b
         return _lin(xp, s, self.W_down)
 
-    def vjp(self, xp, h, delta, collect, need_input_grad=True):
-        n_g, n_u, n_d = self.names
+    def forward_tape(self, xp, h):
+        """The output and the tape its VJP reads instead of recomputing the gate and up
+        projections: ``a = gate x``, ``b = up x`` and ``σ(a)``."""
         a, b = _lin(xp, h, self.W_gate), _lin(xp, h, self.W_up)
         sg = _sigmoid(xp, a)
+        s = a * sg
+        s *= b
+        return _lin(xp, s, self.W_down), (a, b, sg)
+
+    def tape_bytes(self, in_shape, itemsize: int) -> int:
+        """Bytes of :meth:`forward_tape`'s tape for an input of shape ``in_shape``."""
+        return math.prod(tuple(in_shape)[:-1]) * 3 * self.W_gate.shape[0] * int(itemsize)
+
+    def vjp(self, xp, h, delta, collect, need_input_grad=True, tape=None):
+        n_g, n_u, n_d = self.names
+        if tape is None:
+            a, b = _lin(xp, h, self.W_gate), _lin(xp, h, self.W_up)
+            sg = _sigmoid(xp, a)
+        else:
+            a, b, sg = tape
         s = a * sg
         collect(n_d, s * b, delta)
         dh = _lin_t(xp, delta, self.W_down)
@@ -635,14 +718,10 @@ class LMHead:
         parts = []
         for s in range(0, n, step):   # (p - onehot(y)) W = p W - W[y]: no one-hot matrix
             e = min(n, s + step)
-            p = _softmax(xp, Z[s:e, ...] @ self.W_out.T)
+            p = _softmax_(xp, Z[s:e, ...] @ self.W_out.T)
             if given is None:
-                cdf = xp.cumulative_sum(xp.astype(p, xp.float64), axis=-1)
-                below = xp.astype(cdf < u[s:e, None], xp.int8)
-                del cdf
-                y = xp.sum(below, axis=-1, dtype=xp.int64)
-                del below
-                y = xp.minimum(y, xp.asarray(V - 1, dtype=xp.int64, device=dev))
+                y = xp.minimum(_inverse_cdf(xp, p, u[s:e]),
+                               xp.asarray(V - 1, dtype=xp.int64, device=dev))
             else:
                 y = given[s:e]
                 y = xp.where(y >= 0, y, xp.zeros_like(y))
@@ -684,19 +763,17 @@ class LMHead:
         out = [[] for _ in range(R)]
         for s in range(0, n, step):
             e = min(n, s + step)
-            p = _softmax(xp, Z[s:e, ...] @ W.T)
+            p = _softmax_(xp, Z[s:e, ...] @ W.T)
             k = None if keep is None else xp.astype(keep[s:e], p.dtype)[:, None]
             rows = []
             if self.estimator == "sample":
-                cdf = xp.cumulative_sum(xp.astype(p, xp.float64), axis=-1)
+                ys = [xp.minimum(_inverse_cdf(xp, p, u[r, s:e]),
+                                 xp.asarray(V - 1, dtype=xp.int64, device=dev))
+                      for r in range(R)]
                 pW = p @ W
                 del p
-                for r in range(R):
-                    y = xp.sum(xp.astype(cdf < u[r, s:e, None], xp.int8), axis=-1,
-                               dtype=xp.int64)
-                    y = xp.minimum(y, xp.asarray(V - 1, dtype=xp.int64, device=dev))
+                for y in ys:
                     rows.append(pW - xp.take(W, y, axis=0))
-                del cdf
             else:   # the top-K terms √p_y (p − e_y), then the remainder's mean row √q (m − p)
                 top = self._top(xp, p, top_k)                          # (b, K)
                 pt = xp.take_along_axis(p, top, axis=-1)
@@ -775,11 +852,66 @@ def parse_labels(spec: str, vocab: int, owner: str = "labels"):
                      f"'fisher:K' (K a positive integer), got {spec!r}")
 
 
-def _softmax(xp, a):
-    """Softmax over the last axis, holding at most two arrays of ``a``'s size at a time."""
-    a = a - xp.max(a, axis=-1, keepdims=True)
-    a = xp.exp(a)
-    return a / xp.sum(a, axis=-1, keepdims=True)
+def _softmax_(xp, a):
+    """Softmax over the last axis of the caller's temporary ``a``, formed in its memory
+    (numpy, cupy; ``a`` is overwritten), elsewhere with one array of ``a``'s size more."""
+    a -= xp.max(a, axis=-1, keepdims=True)
+    if _xp.is_numpy(xp) or _xp.is_cupy(xp):
+        xp.exp(a, out=a)
+    else:
+        a = xp.exp(a)
+    a /= xp.sum(a, axis=-1, keepdims=True)
+    return a
+
+
+#: columns per block of :func:`_inverse_cdf`'s two-level running sum
+_CDF_BLOCK = 512
+
+
+def _inverse_cdf(xp, p, u):
+    """``#{j : c_j < u_t}`` for every row ``t`` of ``p`` ``(b, V)``, where ``c`` is the float64
+    running sum of the row: the count that ``sum(cumulative_sum(astype(p, float64)) < u)``
+    gives (the label drawn by the inverse CDF, before clamping to ``V - 1``), without a
+    float64 copy of ``p`` or a running sum over the whole vocabulary.
+
+    Two levels: float64 sums of blocks of :data:`_CDF_BLOCK` columns locate the block where
+    ``u`` falls, and the running sum inside that block only gives the count. Any two orders
+    of summing the same non-negative terms differ by at most about ``V·2⁻⁵³`` times the row
+    sum, so the count is the running sum's whenever ``u`` is farther than that from every
+    partial sum the two levels look at; a row where it is not (probability of order 1e-11
+    per row) is counted from its whole running sum, as before.
+    """
+    b, V = p.shape
+    f64, dev = xp.float64, _xp.device(p)
+    blk = min(_CDF_BLOCK, V)
+    nf = V // blk                       # full blocks; the rest is one shorter block
+    sums = xp.sum(xp.reshape(p[:, :nf * blk], (b, nf, blk)), axis=-1, dtype=f64)
+    if nf * blk < V:
+        sums = xp.concat([sums, xp.sum(p[:, nf * blk:], axis=-1, dtype=f64,
+                                       keepdims=True)], axis=1)
+    nb = sums.shape[1]
+    ends = xp.cumulative_sum(sums, axis=-1)
+    starts = xp.concat([xp.zeros((b, 1), dtype=f64, device=dev), ends[:, :-1]], axis=1)
+    uu = u[:, None]
+    k = xp.sum(xp.astype(ends < uu, xp.int64), axis=-1)           # blocks wholly below u
+    kk = xp.minimum(k, xp.asarray(nb - 1, dtype=xp.int64, device=dev))[:, None]
+    cols = kk * blk + xp.arange(blk, dtype=xp.int64, device=dev)[None, :]
+    valid = cols < V
+    cols = xp.minimum(cols, xp.asarray(V - 1, dtype=xp.int64, device=dev))
+    start = xp.take_along_axis(starts, kk, axis=1)
+    c = start + xp.cumulative_sum(xp.astype(xp.take_along_axis(p, cols, axis=1), f64), axis=-1)
+    y = kk[:, 0] * blk + xp.sum(xp.astype((c < uu) & valid, xp.int64), axis=-1)
+    # the margin: twice a bound on either order's rounding (with room for the block levels)
+    tol = 2.0 * (V + 2 * blk + nb + 4) * 2.0 ** -53 * (ends[:, -1:] + 1e-300)
+    far = xp.where(valid, xp.abs(c - uu), xp.full_like(c, math.inf))
+    end = xp.take_along_axis(ends, kk, axis=1)
+    ok = ((uu - start > 4 * tol) & ((k[:, None] >= nb) | (end - uu > 4 * tol))
+          & (xp.min(far, axis=-1, keepdims=True) > 3 * tol))[:, 0]
+    if not bool(xp.all(ok)):
+        bad = xp.nonzero(~ok)[0]
+        cdf = xp.cumulative_sum(xp.astype(xp.take(p, bad, axis=0), f64), axis=-1)
+        y[bad] = xp.sum(xp.astype(cdf < xp.take(u, bad, axis=0)[:, None], xp.int64), axis=-1)
+    return y
 
 
 def _log_softmax(xp, a):
