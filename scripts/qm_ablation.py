@@ -127,9 +127,10 @@ def table(args):
                 return q
         return None
 
-    print("| calibration | tokens | bits | incoherence | factors | labels | "
+    extra = [k for k in ("incoherence", "labels") if len({r[k] for r in rows}) > 1]
+    print("| calibration | tokens | bits | factors | " + "".join(f"{k} | " for k in extra)
           + " | ".join(f"{k} KL ± s.e. | ÷ input ± s.e." for k in TEXTS) + " | wall (s) |")
-    print("|---" * (7 + 2 * len(TEXTS)) + "|")
+    print("|---" * (5 + len(extra) + 2 * len(TEXTS)) + "|")
     for r in sorted(rows, key=lambda r: (r["calib"], r["tokens"], r["bits"], r["incoherence"],
                                          r["factors"] != "input", r["factors"], r["labels"])):
         base = base_of(r)
@@ -138,15 +139,17 @@ def table(args):
             if f"{k}_kl" not in r:
                 cells += ["", ""]
                 continue
-            cells.append(f"{r[f'{k}_kl']:.4f} ± {r[f'{k}_kl_text_sem']:.4f}")
+            cells.append(f"{r[f'{k}_kl']:.3f} ± {r[f'{k}_kl_text_sem']:.3f}")
             if base is None or base is r:
                 cells.append("")
             else:
                 q, s = ratio(r[f"{k}_kl_per_text"], base[f"{k}_kl_per_text"])
-                cells.append(f"{q:.3f} ± {s:.3f}")
-        inc = "none" if r["incoherence"] < 0 else str(r["incoherence"])
-        print(f"| {r['calib']} | {r['tokens']} | {r['bits']} | {inc} | {r['factors']} | "
-              f"{r['labels']} | " + " | ".join(cells) + f" | {r['wall']:.0f} |")
+                cells.append(f"**{q:.2f}** ± {s:.2f}")
+        more = {"incoherence": "none" if r["incoherence"] < 0 else str(r["incoherence"]),
+                "labels": r["labels"]}
+        print(f"| {r['calib']} | {r['tokens']:,} | {r['bits']} | {r['factors']} | "
+              + "".join(f"{more[k]} | " for k in extra)
+              + " | ".join(cells) + f" | {r['wall']:.0f} |")
 
 
 def main(argv=None):
