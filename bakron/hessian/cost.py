@@ -18,8 +18,9 @@ __all__ = ["pass_gemms", "pass_flops", "gemm_rate", "estimate_seconds", "announc
            "OVERHEAD"]
 
 #: pass time / GEMM floor of a K-FAC or refinement pass (docs/benchmarks/hessian.md: SmolLM2,
-#: 4096 tokens, 1 thread, K-FAC 1.53x and refinement 1.45x / 1.39x store-all, 1.65x / 1.55x /
-#: 1.51x under the budget; their mean 1.51, rounded up): a prediction scales the floor by it
+#: 4096 tokens, 1 thread, K-FAC 1.47x and refinement 1.44x / 1.37x store-all, 1.63x / 1.52x /
+#: 1.49x under the budget, mean 1.49; 1.53x-1.65x with other jobs on the cores, so rounded up
+#: to 1.6): a prediction scales the floor by it
 OVERHEAD = 1.6
 
 
