@@ -81,12 +81,9 @@ def _load(chunk_bytes):
 
 
 def _append(path, row):
-    path = Path(path)
-    rows = json.loads(path.read_text()) if path.exists() else []
-    rows.append(row)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rows, indent=1))
-    os.replace(tmp, path)
+    from bakron._lib.fs import append_json_row
+
+    append_json_row(path, row)
 
 
 # -- the floor --------------------------------------------------------------------------------

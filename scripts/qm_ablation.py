@@ -25,7 +25,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -42,12 +41,9 @@ def say(*a):
 
 
 def _append(path, row):
-    path = Path(path)
-    rows = json.loads(path.read_text()) if path.exists() else []
-    rows.append(row)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rows, indent=1))
-    os.replace(tmp, path)
+    from bakron._lib.fs import append_json_row
+
+    append_json_row(path, row)
 
 
 def _reference(lm, heldout_seed, n_gen=24, seq_len=128):

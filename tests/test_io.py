@@ -288,6 +288,20 @@ def test_atomic_write_bytes(tmp_path, monkeypatch):
     assert _leftovers(tmp_path, "f.json") == []
 
 
+def test_append_json_row(tmp_path):
+    from bakron._lib.fs import append_json_row
+
+    p = tmp_path / "runs.json"
+    append_json_row(p, {"a": np.float64(0.5)})
+    append_json_row(p, {"b": [1, 2]})
+    assert json.loads(p.read_text()) == [{"a": 0.5}, {"b": [1, 2]}]
+    assert _leftovers(tmp_path, "runs.json") == []
+    p.write_text("{}")
+    with pytest.raises(ValueError, match="runs.json: not a JSON list"):
+        append_json_row(p, {"c": 1})
+    assert p.read_text() == "{}"
+
+
 def test_check_output_path(tmp_path):
     f = tmp_path / "in" / "a.npz"
     f.parent.mkdir()

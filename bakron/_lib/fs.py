@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["TMP_MARK", "fsync_path", "fsync_file", "fsync_dir", "atomic_path",
-           "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_save_tensors",
+           "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "append_json_row",
+           "atomic_save_tensors",
            "tmp_name", "is_tmp_name", "publish_once", "write_once", "append_durable",
            "sha256_file", "jsonable", "umask"]
 
@@ -117,6 +118,17 @@ def atomic_write_json(path, obj, *, sort_keys: bool = False) -> None:
     """:func:`atomic_write_text` of ``obj`` as indented JSON (non-finite floats as null)."""
     atomic_write_text(path, json.dumps(jsonable(obj), indent=2, allow_nan=False,
                                        sort_keys=sort_keys) + "\n")
+
+
+def append_json_row(path, row) -> None:
+    """Append ``row`` to the JSON list in ``path`` (created when missing) and write the list
+    back atomically, so that a killed run leaves the rows written before it (the experiment
+    scripts' result files)."""
+    path = Path(path)
+    rows = json.loads(path.read_text()) if path.exists() else []
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: not a JSON list of rows")
+    atomic_write_json(path, rows + [row])
 
 
 def atomic_save_tensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
