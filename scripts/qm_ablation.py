@@ -2,7 +2,8 @@
 
 Every run is one call of :func:`bakron.quantize_model.quantize_model` — the function behind
 ``bakron quantize-model smollm2 --format float --asym --group-size 64`` — with one setting
-of calibration text and size, ``--factors``, ``--labels`` and ``--incoherence``; all 210
+of calibration text and size, ``--factors``, ``--labels``, ``--incoherence`` and the
+shrinkage of ``H_out`` (``--shrink-out``; ``auto`` is the command's rule); all 210
 linear layers are rounded. The quantized weights are scored against the original model on
 
 * ``lee``: the first 16 Lee news documents (64 tokens each; another domain),
@@ -67,12 +68,14 @@ def run(args):
     ref = _reference(lm, args.heldout_seed)
     deadline = time.perf_counter() + args.deadline
     grid = itertools.product(args.calib, args.seqs, args.bits, args.incoherence, args.factors,
-                             args.labels)
+                             args.labels, args.shrink_out)
     seen = set()
-    for calib, seqs, bits, inc, factors, labels in grid:
+    for calib, seqs, bits, inc, factors, labels, shrink in grid:
         if factors in ("rtn", "input"):
-            labels = "sample"   # (ignored there: no H_out)
-        key = (calib, seqs, bits, inc, factors, labels)
+            labels, shrink = "sample", "auto"   # (ignored there: no H_out)
+        key = (calib, seqs, bits, inc, factors, labels, shrink)
+        out_reg = ({} if shrink == "auto" else
+                   {"damp_out": 0.01, "shrink_out": float(shrink)})
         if key in seen:
             continue
         seen.add(key)
@@ -86,7 +89,7 @@ def run(args):
                                  bits=bits, group_size=64, sym=False, calib=calib,
                                  calib_seqs=seqs, device=args.device, labels=labels,
                                  incoherence=None if inc < 0 else inc, keep_weights=True,
-                                 progress=False)
+                                 progress=False, **out_reg)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         wall = time.perf_counter() - t0
@@ -94,10 +97,12 @@ def run(args):
         figs = ref.score(lm.with_weights(weights))
         row = {"calib": calib, "seqs": seqs, "tokens": res["calibration"]["tokens"],
                "bits": bits, "incoherence": inc, "factors": factors, "labels": labels,
+               "shrink_out": shrink,
                "wall": wall, "seconds": res["seconds"], "device": res["device"],
                **{f"{k}_{m}": figs[k][m] for k in figs
                   for m in ("kl", "kl_text_sem", "kl_per_text", "perplexity")}}
-        say(f"{calib} {seqs}x128 {bits}b inc={inc} {factors} {labels}: " + "  ".join(
+        say(f"{calib} {seqs}x128 {bits}b inc={inc} {factors} {labels} shrink={shrink}: "
+            + "  ".join(
             f"{k} {figs[k]['kl']:.4f}±{figs[k]['kl_text_sem']:.4f}" for k in figs)
             + f"  ({wall:.0f} s)")
         _append(args.out, row)
@@ -123,12 +128,16 @@ def table(args):
                 return q
         return None
 
-    extra = [k for k in ("incoherence", "labels") if len({r[k] for r in rows}) > 1]
+    for r in rows:
+        r.setdefault("shrink_out", "auto")
+    extra = [k for k in ("incoherence", "labels", "shrink_out")
+             if len({r[k] for r in rows}) > 1]
     print("| calibration | tokens | bits | factors | " + "".join(f"{k} | " for k in extra)
           + " | ".join(f"{k} KL ± s.e. | ÷ input ± s.e." for k in TEXTS) + " | wall (s) |")
     print("|---" * (5 + len(extra) + 2 * len(TEXTS)) + "|")
     for r in sorted(rows, key=lambda r: (r["calib"], r["tokens"], r["bits"], r["incoherence"],
-                                         r["factors"] != "input", r["factors"], r["labels"])):
+                                         r["factors"] != "input", r["factors"], r["labels"],
+                                         r["shrink_out"] != "auto", r["shrink_out"])):
         base = base_of(r)
         cells = []
         for k in TEXTS:
@@ -142,7 +151,7 @@ def table(args):
                 q, s = ratio(r[f"{k}_kl_per_text"], base[f"{k}_kl_per_text"])
                 cells.append(f"**{q:.2f}** ± {s:.2f}")
         more = {"incoherence": "none" if r["incoherence"] < 0 else str(r["incoherence"]),
-                "labels": r["labels"]}
+                "labels": r["labels"], "shrink_out": r["shrink_out"]}
         print(f"| {r['calib']} | {r['tokens']:,} | {r['bits']} | {r['factors']} | "
               + "".join(f"{more[k]} | " for k in extra)
               + " | ".join(cells) + f" | {r['wall']:.0f} |")
@@ -159,6 +168,9 @@ def main(argv=None):
     r.add_argument("--bits", nargs="+", type=int, default=[3, 4])
     r.add_argument("--factors", nargs="+", default=["input", "global"])
     r.add_argument("--labels", nargs="+", default=["sample"])
+    r.add_argument("--shrink-out", nargs="+", default=["auto"],
+                   help="shrinkage of H_out toward its diagonal (with 1 %% damping), or auto "
+                        "(the command's damp_out='auto' rule)")
     r.add_argument("--incoherence", nargs="+", type=int, default=[-1],
                    help="seeds; -1 for none")
     r.add_argument("--heldout-seed", type=int, default=1000)
