@@ -511,8 +511,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
     fmt : {"gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float"}
     factors : {"rtn", "input", "global", "input+global-out"}
         Default ``"input"`` (one-sided LDLQ): on SmolLM2 the two-sided rounding, even with
-        ``damp_out="auto"``, did not beat it on held-out text (docs/llm.md, "Two-sided
-        against one-sided"), and it needs one Hessian pass instead of three.
+        ``damp_out="auto"``, did not beat it on held-out text (docs/llm.md, "The whole
+        model through quantize-model": 1.1-2.0x its KL with 4k-16k calibration tokens), and
+        it needs one Hessian pass instead of three.
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
         of 128, symmetric. The GGUF formats fix their grid (giving another is an error).

@@ -152,6 +152,8 @@ def table(args):
                 cells.append(f"**{q:.2f}** ± {s:.2f}")
         more = {"incoherence": "none" if r["incoherence"] < 0 else str(r["incoherence"]),
                 "labels": r["labels"], "shrink_out": r["shrink_out"]}
+        if r["factors"] in ("rtn", "input"):   # no H_out
+            more.update(labels="—", shrink_out="—")
         print(f"| {r['calib']} | {r['tokens']:,} | {r['bits']} | {r['factors']} | "
               + "".join(f"{more[k]} | " for k in extra)
               + " | ".join(cells) + f" | {r['wall']:.0f} |")
