@@ -10,7 +10,7 @@ import pytest
 import bakron.hessian as bh
 from bakron import _xp
 from bakron.hessian.stages import HeadContext
-from bakron.hessian.transformer import _rope_tables, _rotate_half, rope_inv_freq
+from bakron.hessian.transformer import _rope_apply, _rope_tables, rope_inv_freq
 from conftest import to_xp
 
 D, H, KV, HD, FF, V, T, B = 8, 2, 1, 4, 12, 11, 5, 2
@@ -158,7 +158,7 @@ def test_rope_scores_depend_only_on_relative_position():
     inv = rope_inv_freq(hd, 1e4)
     cos, sin = _rope_tables(np, inv, 12, np.float64, "cpu")
     q, k = rng.standard_normal(hd), rng.standard_normal(hd)
-    rot = lambda x, p: x * cos[p] + _rotate_half(np, x[None, :])[0] * sin[p]  # noqa: E731
+    rot = lambda x, p: _rope_apply(np, x, cos[p], sin[p])  # noqa: E731
     assert rot(q, 0) @ rot(k, 0) == pytest.approx(q @ k, rel=1e-12)
     a, b = rot(q, 7) @ rot(k, 3), rot(q, 9) @ rot(k, 5)
     assert a == pytest.approx(b, rel=1e-6) and abs(a - q @ k) > 1e-3

@@ -214,14 +214,9 @@ def _rope_tables(xp, inv_freq, T, dtype, device):
     return xp.astype(cos, dtype), xp.astype(sin, dtype)
 
 
-def _rotate_half(xp, x):
-    h = x.shape[-1] // 2
-    return xp.concat([-x[..., h:], x[..., :h]], axis=-1)
-
-
 def _rope_apply(xp, x, cos, sin):
-    """``x cos + rotate_half(x) sin`` (a new array), without the rotated copy: bitwise the
-    same, ``-(b·s)`` added being ``b·s`` subtracted."""
+    """``x cos + rotate_half(x) sin`` (a new array), with ``rotate_half(x) = [-x₂, x₁]`` for
+    the halves ``x₁, x₂`` of the last axis, formed without the rotated copy."""
     h = x.shape[-1] // 2
     out = x * cos
     out[..., :h] -= x[..., h:] * sin[..., :h]

@@ -78,7 +78,7 @@ def _attention_prefill(xp, attn, x, cache, slot):
 
 def _attention_step(xp, attn, x, cache, slot, pos, rows):
     """One new token per row ``(B, 1, d)`` at positions ``pos`` (``(B,)`` ints of ``xp``)."""
-    from ...hessian.transformer import _lin, _rms_forward, _rotate_half
+    from ...hessian.transformer import _lin, _rms_forward, _rope_apply
 
     B = x.shape[0]
     q = attn._heads(xp, _lin(xp, x, attn.Wq), attn.H)          # (B, H, 1, hd)
@@ -90,8 +90,7 @@ def _attention_step(xp, attn, x, cache, slot, pos, rows):
     cos_t, sin_t = cache.rope[slot]
     cos = xp.reshape(xp.take(cos_t, pos, axis=0), (B, 1, 1, attn.hd))
     sin = xp.reshape(xp.take(sin_t, pos, axis=0), (B, 1, 1, attn.hd))
-    q = q * cos + _rotate_half(xp, q) * sin
-    k = k * cos + _rotate_half(xp, k) * sin
+    q, k = _rope_apply(xp, q, cos, sin), _rope_apply(xp, k, cos, sin)
     _write_step(xp, cache.k, slot, rows, pos, k)
     _write_step(xp, cache.v, slot, rows, pos, v)
     Tc = int(xp.max(pos)) + 1
