@@ -481,7 +481,7 @@ class _Engine:
         has ``forward_tape`` and the head draws one row per position)."""
         self.evals += 1
         stage = self.body[i]
-        if keep and self.draws == 1 and hasattr(stage, "forward_tape"):
+        if keep and _keeps_tape(stage, self.draws):
             if i in self.tapes:
                 raise RuntimeError(f"stage {stage_label(stage, i)}: a tape is kept already")
             y, tape = stage.forward_tape(self.xp, h)
@@ -535,6 +535,14 @@ class _Engine:
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
+def _keeps_tape(stage, draws: int) -> bool:
+    """Whether the driver keeps ``stage``'s tape for its VJP (where that VJP follows the
+    evaluation): the stage has ``forward_tape`` and the head draws one row per position (a
+    VJP over ``draws`` rows reads the input repeated, not the tape). The plan and the engine
+    both ask this."""
+    return draws == 1 and hasattr(stage, "forward_tape")
+
+
 def _head_draws(head) -> int:
     """The head's gradient rows per position (``draws``, default 1)."""
     k = getattr(head, "draws", 1)
@@ -809,9 +817,10 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     buf = [sum((layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item for n in names)
            for names in names_at]
     tapes = None   # a stage's tape: kept for its VJP where that follows its evaluation
-    if _head_draws(head) == 1 and any(hasattr(st, "forward_tape") for st in body):
+    draws = _head_draws(head)
+    if any(_keeps_tape(st, draws) for st in body):
         tapes = [max(int(st.tape_bytes(sh[i], itemsize)) for sh in shapes)
-                 if hasattr(st, "forward_tape") else 0 for i, st in enumerate(body)]
+                 if _keeps_tape(st, draws) else 0 for i, st in enumerate(body)]
     planner = _Planner(sizes, batch_sizes, buf, names_at, budget_bytes, checkpoint, snapshots,
                        tapes)
     plan = planner.plan(0, len(body), 0)
