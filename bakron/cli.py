@@ -157,6 +157,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}")
+    return v
+
+
 def _bytes(text: str) -> int:
     units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
@@ -307,11 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(packed safetensors) or float (W_hat in the source dtype), both a "
                          "Hugging Face folder; a source of the other kind is converted first "
                          "(default gguf-q4_0)")
-    qm.add_argument("--factors", choices=QM_FACTORS, default="input",
+    qm.add_argument("--factors", choices=QM_FACTORS, default="global",
                     help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in; "
-                         "global: two-sided with both factors of the KL-Fisher; "
-                         "input+global-out: local H_in with the global H_out (default input: "
-                         "on SmolLM2 two-sided did not beat it, docs/llm.md)")
+                         "global: two-sided with both K-FAC factors of the KL-Fisher (default: "
+                         "0.88-0.92x input's KL on SmolLM2, docs/llm.md); input+global-out: "
+                         "local H_in with the global H_out")
     qm.add_argument("--calib", default="builtin", metavar="FILE|builtin|generated+docs",
                     help="calibration text: builtin (the Python Language Reference of the "
                          "stdlib), generated+docs (half sampled from the model, half the "
@@ -342,10 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--damp", type=_damp, default=0.01,
                     help="relative damping of the factors (default 0.01)")
     qm.add_argument("--damp-out", type=_damp_or_auto, default="auto", metavar="auto|D",
-                    help="regularisation of a global H_out: auto (default) shrinks it toward "
-                         "its diagonal and damps it by a rule of its width over the "
-                         "calibration tokens (docs/hessian.md); a number is its relative "
-                         "damping alone")
+                    help="regularisation of a global H_out: auto (default) damps it by 1 "
+                         "(its mean diagonal) toward the identity (docs/hessian.md); a number "
+                         "is its relative damping")
     qm.add_argument("--shrink-out", type=_fraction, default=None, metavar="S",
                     help="with a numeric --damp-out: shrink a global H_out toward its "
                          "diagonal, (1-S) H_out + S diag(H_out), S in [0, 1] (default 0)")
@@ -354,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="estimator of a global H_out: one sampled label per token (default), "
                          "K draws, the output Fisher from the K most probable labels, or the "
                          "next token (docs/hessian.md)")
+    qm.add_argument("--refine", type=_count, default=None, metavar="N",
+                    help="per-sequence refinement steps of the global factors after their "
+                         "K-FAC pass, two more Hessian passes each (default 0: the K-FAC "
+                         "factors)")
     qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
                     help="where the model and the solves run (default cpu, gpu with --gpus; "
                          "auto uses a GPU when cupy sees one)")
@@ -596,7 +609,9 @@ def _cmd_quantize_model(args) -> int:
                                 progress=not args.quiet,
                                 scheduler=args.scheduler, gpus=args.gpus,
                                 **({} if args.incoherence is None
-                                   else {"incoherence": args.incoherence}))
+                                   else {"incoherence": args.incoherence}),
+                                **({} if args.refine is None
+                                   else {"refine_iters": args.refine}))
     except ClusterUnavailable as exc:
         raise Unavailable(str(exc)) from None
     except OutputExistsError as exc:

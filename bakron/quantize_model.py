@@ -23,8 +23,9 @@ for ``gptq`` / ``float`` into ``OUT.work/source-hf/``
 ``factors`` chooses the rounding: ``rtn`` (the grid's round-to-nearest, llama.cpp's rule for
 the GGUF grids; no calibration), ``input`` (one-sided LDLQ/GPTQ with each layer's input
 second moment ``H_in``), ``global`` (two-sided with both Kronecker factors of the Fisher of the
-KL to the original model, :func:`bakron.hessian.global_factors` with one refinement step) and
-``input+global-out`` (two-sided with the local ``H_in`` and the global ``H_out``).
+KL to the original model: the K-FAC factors of :func:`bakron.hessian.global_factors`, with
+``refine_iters`` refinement steps if asked; the default) and ``input+global-out`` (two-sided
+with the local ``H_in`` and the global ``H_out``; the same as ``global`` without refinement).
 
 Resumable: every finished layer's codes are published write-once (temporary file, fsync,
 link; :func:`bakron.distributed._outputs.write_layer_file`) into the work folder
@@ -486,7 +487,7 @@ def _left_on_disk(work: Path, exc: BaseException) -> None:
     exc.add_note(note)
 
 
-def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input",
+def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global",
                    bits: int | None = None, group_size: int | None = None,
                    sym: bool | None = None, calib="builtin", calib_seqs: int = 32,
                    calib_len: int = 128, memory_budget: int | None = None,
@@ -496,7 +497,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
                    wheel=None,
                    progress: bool = True, keep_weights: bool = False,
                    scheduler: str | None = None, gpus: int | None = None, client=None,
-                   retries: int = 2, _after_layer=None, incoherence: int | None = None) -> dict:
+                   retries: int = 2, _after_layer=None, incoherence: int | None = None,
+                   refine_iters: int = 0) -> dict:
     """Quantize every linear layer of a causal LM and write the export ``out``.
 
     Parameters
@@ -510,10 +512,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
         exist. Its work folder ``OUT.work`` holds the finished layers until the end.
     fmt : {"gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float"}
     factors : {"rtn", "input", "global", "input+global-out"}
-        Default ``"input"`` (one-sided LDLQ): on SmolLM2 the two-sided rounding, even with
-        ``damp_out="auto"``, did not beat it on held-out text (docs/llm.md, "The whole
-        model through quantize-model": 1.1-2.0x its KL with 4k-16k calibration tokens), and
-        it needs one Hessian pass instead of three.
+        Default ``"global"`` (two-sided, K-FAC factors, ``H_out`` regularised by
+        ``damp_out="auto"``): on SmolLM2 it gave 0.88x and 0.92x the KL of ``"input"``
+        (one-sided LDLQ) at 3 and 4 bits on text sampled from the model, the calibration-side
+        criterion it was chosen by (docs/llm.md, "The whole model through quantize-model",
+        where its figures on held-out text are too).
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
         of 128, symmetric. The GGUF formats fix their grid (giving another is an error).
@@ -573,6 +576,13 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
         rotated on both sides before rounding and rotated back. Only for ``fmt="float"``
         (GGUF and GPTQ files store codes of ``W`` and cannot carry the rotations) and in
         this process (not with ``scheduler`` / ``gpus`` / ``client``).
+    refine_iters : int
+        Per-sequence refinement steps of the global factors after their K-FAC pass
+        (:func:`bakron.hessian.global_factors`; two more Hessian passes each). Default 0: the
+        K-FAC factors, whose ``H_in`` is the local one (``global`` and ``input+global-out``
+        are then the same rounding); on SmolLM2 one step made the quantized model worse
+        (docs/llm.md, "The whole model through quantize-model"). Ignored by ``factors="rtn"``
+        and ``"input"``.
 
     Returns a dict: ``out``, ``layers`` (per layer: seconds, resumed), ``seconds`` (per
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
@@ -618,6 +628,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
             raise InputError("incoherence processing runs in this process only; leave out "
                              "--scheduler / --gpus")
     retries = _checked(check_int, retries, "retries", minimum=0)
+    refine_iters = _checked(check_int, refine_iters, "refine_iters", minimum=0)
     if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__") or len(tile) != 2:
         raise InputError(f"tile must be a pair of positive integers (tx, ty), got {tile!r}")
     tile = tuple(_checked(check_int, t, "tile", minimum=1, what="a pair of positive integers")
@@ -725,7 +736,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "input"
             solve_settings["tokens"] = int(sum(map(len, seqs)))
         options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
                    **({} if factors in ("rtn", "input") else {"h_out": solve_settings}),
-                   "refine_iters": 0 if factors in ("rtn", "input") else 1, "refine": "sequence"}
+                   "refine_iters": 0 if factors in ("rtn", "input") else refine_iters,
+                   "refine": "sequence"}
         if incoherence is not None:
             options["incoherence"] = incoherence
         if labels != "sample" and factors not in ("rtn", "input"):   # default: the old key
@@ -891,6 +903,9 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
     from .hessian import global_factors
 
     batches = _calibration_batches(lm, xp, seqs, batch_size)
+    refine = options["refine_iters"]
+    # the K-FAC pass's H_in is the local one: without refinement, input+global-out is global
+    keep = factors == "input+global-out" and refine > 0
     local: dict = {}
 
     def keep_local(name, H_in, H_out):
@@ -899,12 +914,9 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
     def sink(name, H_in, H_out):
         if factors == "input":
             finish(name, H_in, None)
-        elif factors == "global":
-            finish(name, H_in, H_out)
         else:
-            finish(name, local.pop(name), H_out)
+            finish(name, local.pop(name) if keep else H_in, H_out)
 
-    refine = options["refine_iters"]
     if progress:
         from .hessian.cost import announce
 
@@ -914,7 +926,7 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
                             refine=options["refine"],
                             seed=options["seed"], budget_bytes=memory_budget, layers=todo,
                             sink=sink, progress=bool(progress),
-                            kfac_sink=keep_local if factors == "input+global-out" else None)
+                            kfac_sink=keep_local if keep else None)
     return rep
 
 

@@ -132,9 +132,7 @@ def test_shrink_moves_toward_the_diagonal():
         prepare_factor(H, 1, shrink=1.5)
     with pytest.raises(ValueError, match="shrink"):
         prepare_factor(H, 1, shrink=True)
-    s_small, _ = auto_regularization(192, 4096)
-    s_big, damp = auto_regularization(1536, 4096)
-    assert 0 <= s_small < s_big <= 1 and damp > 0
-    assert auto_regularization(1536, 10 ** 9)[0] < s_big   # more tokens, less shrinkage
+    for m, n in ((192, 4096), (1536, 4096), (1536, 10 ** 9)):   # no shrinkage, damping 1
+        assert auto_regularization(m, n) == (0.0, 1.0)
     with pytest.raises(ValueError, match="tokens"):
         auto_regularization(10, 0)

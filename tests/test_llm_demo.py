@@ -93,7 +93,7 @@ def tiny_run(tmp_path_factory):
     lm = _tiny_lm()
     before = {k: np.array(v, copy=True) for k, v in lm.weights.items()}
     res = demo.run(out, model=lm, device="cpu", bits=(2, 4), n_calibration=16, n_heldout=10,
-                   lee=False, progress=False)
+                   lee=False, progress=False, refine_iters=1, methods=tuple(demo.METHODS))
     return out, lm, before, res
 
 
@@ -212,9 +212,13 @@ def test_dequantized_codes_are_the_solved_values():
 
 
 def test_without_refinement_local_in_is_global(tmp_path):
-    res = demo.run(tmp_path, model=_tiny_lm(), device="cpu", bits=(3,), refine_iters=0,
-                   layers=["blk.0.attn_v", "blk.2.ffn_down"], n_calibration=8, n_heldout=4,
-                   lee=False, proxies=False, progress=False)
+    kw = dict(model=_tiny_lm(), device="cpu", bits=(3,), n_calibration=8, n_heldout=4,
+              layers=["blk.0.attn_v", "blk.2.ffn_down"], lee=False, proxies=False,
+              progress=False)
+    res = demo.run(tmp_path / "d", **kw)          # the defaults: K-FAC, no local_in
+    assert res["hessian"]["passes"] == 1 and res["refine_iters"] == 0
+    assert res["methods"] == list(demo.DEFAULT_METHODS) == ["rtn", "ldlq", "global"]
+    res = demo.run(tmp_path, methods=tuple(demo.METHODS), **kw)
     assert res["hessian"]["passes"] == 1 and res["layers_quantized"] == ["blk.0.attn_v",
                                                                          "blk.2.ffn_down"]
     by = {e["method"]: e for e in res["summary"]}
@@ -407,7 +411,8 @@ def test_quick_demo_on_smollm2(tmp_path, smollm2):
     assert res["data"]["calibration_texts"] == 8 and res["data"]["lee"] == "not requested"
     assert 20 < res["original"]["perplexity"] < 500
     by = {(e["bits"], e["method"]): e for e in res["summary"]}
-    for m in demo.METHODS:
+    assert res["methods"] == list(demo.DEFAULT_METHODS)
+    for m in demo.DEFAULT_METHODS:
         assert 0 < by[(4, m)]["kl"] < by[(2, m)]["kl"], m
     for r in res["layers"].values():      # each method beats RTN under its own proxy
         f = r["bits"][res["proxy_bits"]]

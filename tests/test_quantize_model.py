@@ -388,3 +388,32 @@ def test_label_estimator_changes_only_the_global_out_factor(models, tmp_path):
         quantize_model(models / "tiny.gguf", tmp_path / "e", factors="global",
                        labels="fisher:x", **kw)
     assert not (tmp_path / "e").exists()
+
+
+def test_refinement_steps_of_the_global_factors(models, tmp_path):
+    """``refine_iters=0`` rounds with the K-FAC factors, whose ``H_in`` is the local one: with
+    ``H_out`` reduced to its diagonal and tiles of 1 x 1, ``global`` then gives the one-sided
+    codes; one refinement step changes the codes; the one-sided rounding ignores the
+    setting; a negative count is an InputError naming it, and ``--refine -1`` exits 2."""
+    kw = dict(fmt="float", bits=4, group_size=32, sym=False, keep_weights=True, tile=(1, 1),
+              **FAST)
+    diag = dict(damp_out=0.01, shrink_out=1.0)
+    kfac = quantize_model(models / "tiny.gguf", tmp_path / "a", factors="global",
+                          refine_iters=0, **diag, **kw)
+    refined = quantize_model(models / "tiny.gguf", tmp_path / "b", factors="global",
+                             refine_iters=1, **diag, **kw)
+    one = quantize_model(models / "tiny.gguf", tmp_path / "c", factors="input", **kw)
+    one_r = quantize_model(models / "tiny.gguf", tmp_path / "d", factors="input",
+                           refine_iters=2, **kw)
+    for n in one["weights"]:
+        np.testing.assert_array_equal(kfac["weights"][n], one["weights"][n])
+        np.testing.assert_array_equal(one_r["weights"][n], one["weights"][n])
+    assert any(not np.array_equal(refined["weights"][n], one["weights"][n])
+               for n in one["weights"])
+    with pytest.raises(InputError, match="refine_iters"):
+        quantize_model(models / "tiny.gguf", tmp_path / "f", factors="global",
+                       refine_iters=-1, **kw)
+    assert not (tmp_path / "f").exists()
+    rc = main(["quantize-model", str(models / "tiny.gguf"), "--out", str(tmp_path / "g"),
+               "--format", "float", "--factors", "global", "--refine", "-1", "--quiet"])
+    assert rc == 2 and not (tmp_path / "g").exists()

@@ -7,10 +7,11 @@ quantized at each bit width with
 * ``rtn`` — round-to-nearest on the grid;
 * ``ldlq`` — one-sided LDLQ / GPTQ with the local ``H_in = E[x xᵀ]`` of the layer's input;
 * ``global`` — two-sided bakron with both Kronecker factors of the Fisher of the KL to the
-  original model (YAQA-style: labels drawn from the model's own softmax; K-FAC followed by
-  ``refine_iters`` power-iteration steps towards the nearest Kronecker product of the
-  per-sequence Fisher, :func:`bakron.hessian.global_factors`);
-* ``local_in`` — two-sided bakron with the local ``H_in`` and the global ``H_out``.
+  original model (YAQA-style: labels drawn from the model's own softmax; K-FAC, optionally
+  followed by ``refine_iters`` power-iteration steps towards the nearest Kronecker product of
+  the per-sequence Fisher, :func:`bakron.hessian.global_factors`);
+* ``local_in`` — two-sided bakron with the local ``H_in`` and the global ``H_out`` (the same
+  as ``global`` without refinement, the default; not run unless asked for).
 
 One grid for every method: asymmetric codes, a scale and zero point per group of 64 inputs
 (``group_size``) fitted to W by min/max (no clipping). All factors come from the original
@@ -50,6 +51,8 @@ METHODS = {
     "global": "bakron two-sided, global H_out ⊗ H_in",
     "local_in": "bakron two-sided, local H_in, global H_out",
 }
+#: the methods run by default (``local_in`` is ``global`` with the K-FAC factors)
+DEFAULT_METHODS = ("rtn", "ldlq", "global")
 _COLORS = {"rtn": "#969696", "ldlq": "#3182bd", "global": "#e6550d", "local_in": "#31a354"}
 _SHARED_INPUT = {"attn_q": "attn_in", "attn_k": "attn_in", "attn_v": "attn_in",
                  "ffn_gate": "ffn_in", "ffn_up": "ffn_in"}
@@ -97,11 +100,11 @@ _sem = sem
 # -- the run ------------------------------------------------------------------------------------
 
 def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
-        bits=(3, 4), quick: bool = False, progress: bool = True, methods=tuple(METHODS),
+        bits=(3, 4), quick: bool = False, progress: bool = True, methods=DEFAULT_METHODS,
         layers=None, n_calibration: int | None = None, n_heldout: int | None = None,
         max_tokens: int | None = None, lee: bool | None = None, n_indomain: int = 24,
         group_size: int = 64,
-        tile=None, damp: float = 0.01, damp_out="auto", refine_iters: int = 1, refine: str = "sequence",
+        tile=None, damp: float = 0.01, damp_out="auto", refine_iters: int = 0, refine: str = "sequence",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
         blas_threads: int | None = 1, calib: str = "docs",
@@ -129,7 +132,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         calibration and 8 held-out sentences of the Language Reference, no Lee corpus (each
         overridable by the arguments below).
     methods : sequence of str
-        Any of ``"rtn"``, ``"ldlq"``, ``"global"``, ``"local_in"`` (see :data:`METHODS`).
+        Any of ``"rtn"``, ``"ldlq"``, ``"global"``, ``"local_in"`` (see :data:`METHODS`;
+        default :data:`DEFAULT_METHODS`).
     layers : sequence of str, optional
         Linear layers to quantize (``"blk.{i}.attn_q"`` ...); default all (the others stay
         float32).
@@ -170,14 +174,15 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
     damp : float
         Relative damping of every factor (of ``H_in`` only, unless ``damp_out`` is a number).
     damp_out : "auto" or float
-        Regularisation of the global ``H_out`` of the two-sided methods: ``"auto"`` shrinks it
-        toward its diagonal and damps it per layer from its width over the calibration tokens
+        Regularisation of the global ``H_out`` of the two-sided methods: ``"auto"`` damps it
+        toward the identity per layer by its width over the calibration tokens
         (:func:`bakron.factors.auto_regularization`, the rule of ``bakron quantize-model``); a
-        number is its relative damping alone.
+        number is its relative damping.
     refine_iters, refine
         Power-iteration steps of the global factors (:func:`bakron.hessian.global_factors`);
-        ``refine_iters=0`` keeps the K-FAC factors, whose ``H_in`` is the local one, so that
-        ``local_in`` is then the same as ``global`` (computed once).
+        ``refine_iters=0`` (the default) keeps the K-FAC factors, whose ``H_in`` is the local
+        one, so that ``local_in`` is then the same as ``global`` (computed once). One
+        per-sequence step made the quantized model worse (docs/llm.md).
     budget_bytes : int, optional
         Memory budget of the global-Hessian driver (``None``: store every activation, one
         layer range).
@@ -854,8 +859,8 @@ def _markdown(res: dict) -> str:
         f"to W by min/max (no clipping). Tile {res['tile'][0]}×{res['tile'][1]} (engine "
         f"{res['engine']}" + (f"; {res['engine_note']}" if res.get("engine_note") else "")
         + f"), damping {res['damp']}"
-        + (f"; the global H_out of the two-sided methods shrunk toward its diagonal and damped "
-           f"by the rule of its width over the calibration tokens (damp_out='auto')"
+        + (f"; the global H_out of the two-sided methods damped toward the identity by the "
+           f"rule of its width over the calibration tokens (damp_out='auto')"
            if res.get("damp_out", "auto") == "auto" else
            f"; H_out damped {res['damp_out']}") + ".",
         "",
@@ -929,9 +934,9 @@ def _markdown(res: dict) -> str:
                          _mib(h["peak_bytes"]), _mib(h["peak_activation_bytes"]),
                          _mib(h["peak_buffer_bytes"]), _mib(h["peak_cache_bytes"]),
                          h["accum_dtype"]]]),
-              "", f"Budget: {res['budget_bytes'] or 'none (store every activation)'}. One run "
-                  f"gives both the K-FAC factors (the local `H_in`, handed out before the "
-                  f"refinement) and the refined ones.", ""]
+              "", f"Budget: {res['budget_bytes'] or 'none (store every activation)'}."
+              + (" One run gives both the K-FAC factors (the local `H_in`, handed out before "
+                 "the refinement) and the refined ones." if res["refine_iters"] else ""), ""]
     if d.get("lee_source"):
         lines += ["## Data provenance", "", f"Lee corpus: {d['lee_source']}.", ""]
     return "\n".join(lines)
