@@ -68,14 +68,21 @@ def run(args):
     ref = _reference(lm, args.heldout_seed)
     deadline = time.perf_counter() + args.deadline
     grid = itertools.product(args.calib, args.seqs, args.bits, args.incoherence, args.factors,
-                             args.labels, args.shrink_out)
+                             args.labels, args.shrink_out, args.damp_out,
+                             args.refine)
     seen = set()
-    for calib, seqs, bits, inc, factors, labels, shrink in grid:
-        if factors in ("rtn", "input"):
-            labels, shrink = "sample", "auto"   # (ignored there: no H_out)
-        key = (calib, seqs, bits, inc, factors, labels, shrink)
+    import bakron.factors
+
+    for calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine in grid:
+        if factors in ("rtn", "input"):   # (ignored there: no H_out)
+            labels, shrink, damp_out, refine = "sample", "auto", 0.01, 0
+        if shrink == "auto":
+            damp_out = 0.01
+            if args.auto_c is not None:   # the rule's constant (as chosen in docs/hessian.md)
+                bakron.factors.AUTO_DAMP_OUT = args.auto_c
+        key = (calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine)
         out_reg = ({} if shrink == "auto" else
-                   {"damp_out": 0.01, "shrink_out": float(shrink)})
+                   {"damp_out": damp_out, "shrink_out": float(shrink)})
         if key in seen:
             continue
         seen.add(key)
@@ -85,23 +92,30 @@ def run(args):
         work = Path(tempfile.mkdtemp(prefix="qm-"))
         t0 = time.perf_counter()
         try:
-            res = quantize_model("smollm2", work / "out", fmt="float", factors=factors,
-                                 bits=bits, group_size=64, sym=False, calib=calib,
+            fixed = ({"bits": bits, "group_size": 64, "sym": False} if args.format == "float"
+                    else {})   # (the GGUF formats fix their grid)
+            res = quantize_model("smollm2", work / "out", fmt=args.format, factors=factors,
+                                 calib=calib, **fixed,
                                  calib_seqs=seqs, device=args.device, labels=labels,
                                  incoherence=None if inc < 0 else inc, keep_weights=True,
+                                 refine_iters=refine,
                                  progress=False, **out_reg)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         wall = time.perf_counter() - t0
         weights = {n: xp.asarray(w) for n, w in res["weights"].items()}
         figs = ref.score(lm.with_weights(weights))
-        row = {"calib": calib, "seqs": seqs, "tokens": res["calibration"]["tokens"],
+        row = {"format": args.format, "calib": calib, "seqs": seqs,
+               "tokens": res["calibration"]["tokens"],
                "bits": bits, "incoherence": inc, "factors": factors, "labels": labels,
-               "shrink_out": shrink,
+               "shrink_out": shrink, "damp_out": damp_out, "refine": refine,
+               "rule": (f"damp {bakron.factors.AUTO_DAMP_OUT:g}" if shrink == "auto"
+                        and factors not in ("rtn", "input") else None),
                "wall": wall, "seconds": res["seconds"], "device": res["device"],
                **{f"{k}_{m}": figs[k][m] for k in figs
                   for m in ("kl", "kl_text_sem", "kl_per_text", "perplexity")}}
-        say(f"{calib} {seqs}x128 {bits}b inc={inc} {factors} {labels} shrink={shrink}: "
+        say(f"{calib} {seqs}x128 {bits}b inc={inc} {factors} {labels} shrink={shrink} "
+            f"damp_out={damp_out} refine={refine}: "
             + "  ".join(
             f"{k} {figs[k]['kl']:.4f}±{figs[k]['kl_text_sem']:.4f}" for k in figs)
             + f"  ({wall:.0f} s)")
@@ -123,21 +137,46 @@ def table(args):
 
     def base_of(r):
         for q in rows:
-            if (q["calib"], q["seqs"], q["bits"], q["incoherence"], q["factors"]) == (
-                    r["calib"], r["seqs"], r["bits"], r["incoherence"], "input"):
+            if (q["format"], q["calib"], q["seqs"], q["bits"], q["incoherence"],
+                    q["factors"]) == (r["format"], r["calib"], r["seqs"], r["bits"],
+                                      r["incoherence"], "input"):
                 return q
         return None
 
     for r in rows:
+        r.setdefault("format", "float")
         r.setdefault("shrink_out", "auto")
-    extra = [k for k in ("incoherence", "labels", "shrink_out")
-             if len({r[k] for r in rows}) > 1]
-    print("| calibration | tokens | bits | factors | " + "".join(f"{k} | " for k in extra)
+        r.setdefault("damp_out", 0.01)
+        r.setdefault("refine", 1)   # (rows from before the option: one step)
+        r.setdefault("rule", None)
+
+    def regularisation(r):
+        if r["factors"] in ("rtn", "input"):   # no H_out
+            return "—"
+        if r["shrink_out"] == "auto":   # --damp-out auto (rows without "rule": the earlier one)
+            return "auto: " + (r["rule"] or "shrink m/N")
+        return (f"damp {r['damp_out']:g}" + (f", shrink {r['shrink_out']}"
+                                             if float(r["shrink_out"]) else ""))
+
+    def cols(r):
+        no_out = r["factors"] in ("rtn", "input")
+        return {"format": r["format"], "calibration": r["calib"], "tokens": f"{r['tokens']:,}",
+                "bits": str(r["bits"]), "factors": r["factors"],
+                "refine": "—" if no_out else str(r["refine"]),
+                "labels": "—" if no_out else r["labels"],
+                "incoherence": "none" if r["incoherence"] < 0 else str(r["incoherence"]),
+                "H_out": regularisation(r), "device": r["device"]}
+
+    shown = [k for k in cols(rows[0])
+             if k in ("calibration", "tokens", "bits", "factors", "H_out")
+             or len({cols(r)[k] for r in rows}) > 1]
+    print("| " + " | ".join(shown) + " | "
           + " | ".join(f"{k} KL ± s.e. | ÷ input ± s.e." for k in TEXTS) + " | wall (s) |")
-    print("|---" * (5 + len(extra) + 2 * len(TEXTS)) + "|")
-    for r in sorted(rows, key=lambda r: (r["calib"], r["tokens"], r["bits"], r["incoherence"],
-                                         r["factors"] != "input", r["factors"], r["labels"],
-                                         r["shrink_out"] != "auto", r["shrink_out"])):
+    print("|---" * (len(shown) + 2 * len(TEXTS) + 1) + "|")
+    for r in sorted(rows, key=lambda r: (r["format"], r["calib"], r["tokens"], r["bits"],
+                                         r["incoherence"], r["factors"] != "input",
+                                         r["factors"], r["labels"], -r["refine"],
+                                         regularisation(r))):
         base = base_of(r)
         cells = []
         for k in TEXTS:
@@ -150,13 +189,9 @@ def table(args):
             else:
                 q, s = ratio(r[f"{k}_kl_per_text"], base[f"{k}_kl_per_text"])
                 cells.append(f"**{q:.2f}** ± {s:.2f}")
-        more = {"incoherence": "none" if r["incoherence"] < 0 else str(r["incoherence"]),
-                "labels": r["labels"], "shrink_out": r["shrink_out"]}
-        if r["factors"] in ("rtn", "input"):   # no H_out
-            more.update(labels="—", shrink_out="—")
-        print(f"| {r['calib']} | {r['tokens']:,} | {r['bits']} | {r['factors']} | "
-              + "".join(f"{more[k]} | " for k in extra)
-              + " | ".join(cells) + f" | {r['wall']:.0f} |")
+        c = cols(r)
+        print("| " + " | ".join(c[k] for k in shown) + " | " + " | ".join(cells)
+              + f" | {r['wall']:.0f} |")
 
 
 def main(argv=None):
@@ -167,12 +202,21 @@ def main(argv=None):
     r.add_argument("--device", default="cpu")
     r.add_argument("--calib", nargs="+", default=["builtin"])
     r.add_argument("--seqs", nargs="+", type=int, default=[32])
+    r.add_argument("--format", default="float",
+                   help="float (asymmetric groups of 64 at --bits) or a GGUF format (its grid; "
+                        "give one --bits value, it is only a label there)")
     r.add_argument("--bits", nargs="+", type=int, default=[3, 4])
     r.add_argument("--factors", nargs="+", default=["input", "global"])
     r.add_argument("--labels", nargs="+", default=["sample"])
     r.add_argument("--shrink-out", nargs="+", default=["auto"],
                    help="shrinkage of H_out toward its diagonal (with 1 %% damping), or auto "
                         "(the command's damp_out='auto' rule)")
+    r.add_argument("--damp-out", nargs="+", type=float, default=[0.01],
+                   help="relative damping of H_out with a numeric --shrink-out (default 0.01)")
+    r.add_argument("--auto-c", type=float, default=None,
+                   help="the damping of the auto rule (bakron.factors.AUTO_DAMP_OUT)")
+    r.add_argument("--refine", nargs="+", type=int, default=[0],
+                   help="refinement steps of the global factors (default 0: K-FAC)")
     r.add_argument("--incoherence", nargs="+", type=int, default=[-1],
                    help="seeds; -1 for none")
     r.add_argument("--heldout-seed", type=int, default=1000)
