@@ -159,9 +159,9 @@ def quantize_layer(W, H_in, H_out=None, *, quantizer=None, bits: int | None = No
     damp_out, shrink_out : float, optional
         Regularisation of a full ``H_out`` alone: its relative damping (default ``damp``) and
         its shrinkage toward its diagonal, ``(1 - s) H_out + s diag(H_out)`` (default 0;
-        ``1`` gives the one-sided rounding). A sampled ``H_out`` is noisy where the
-        calibration tokens are few for its width: :func:`bakron.factors.auto_regularization`
-        gives the rule ``bakron quantize-model --damp auto`` uses (docs/hessian.md).
+        ``1`` gives the one-sided rounding). A sampled ``H_out`` underestimates what errors in
+        its small eigen-directions cost: :func:`bakron.factors.auto_regularization` gives the
+        rule ``bakron quantize-model --damp-out auto`` uses (docs/hessian.md).
     metrics : {"full", "basic", "none"}
         Proxy errors to compute: ``full`` all four (the layer's loss and the one-sided one, for
         the result and for round-to-nearest); ``basic`` the layer's loss only (``proxy_error``,

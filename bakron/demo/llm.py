@@ -175,9 +175,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         Relative damping of every factor (of ``H_in`` only, unless ``damp_out`` is a number).
     damp_out : "auto" or float
         Regularisation of the global ``H_out`` of the two-sided methods: ``"auto"`` damps it
-        toward the identity per layer by its width over the calibration tokens
-        (:func:`bakron.factors.auto_regularization`, the rule of ``bakron quantize-model``); a
-        number is its relative damping.
+        by 1 toward the identity (:func:`bakron.factors.auto_regularization`, the rule of
+        ``bakron quantize-model``); a number is its relative damping.
     refine_iters, refine
         Power-iteration steps of the global factors (:func:`bakron.hessian.global_factors`);
         ``refine_iters=0`` (the default) keeps the K-FAC factors, whose ``H_in`` is the local
@@ -859,8 +858,8 @@ def _markdown(res: dict) -> str:
         f"to W by min/max (no clipping). Tile {res['tile'][0]}×{res['tile'][1]} (engine "
         f"{res['engine']}" + (f"; {res['engine_note']}" if res.get("engine_note") else "")
         + f"), damping {res['damp']}"
-        + (f"; the global H_out of the two-sided methods damped toward the identity by the "
-           f"rule of its width over the calibration tokens (damp_out='auto')"
+        + (f"; the global H_out of the two-sided methods damped by 1 toward the identity "
+           f"(damp_out='auto', the rule of bakron.factors.auto_regularization)"
            if res.get("damp_out", "auto") == "auto" else
            f"; H_out damped {res['damp_out']}") + ".",
         "",
