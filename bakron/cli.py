@@ -147,24 +147,21 @@ def _tile(text: str) -> tuple[int, int]:
     return vals[0], vals[1]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return v
+def _int_at_least(minimum: int, what: str):
+    """An argparse type: an integer >= ``minimum``, else an error saying ``what``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+        return v
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}")
-    return v
+_positive_int = _int_at_least(1, "a positive integer")
+_count = _int_at_least(0, "an integer >= 0")
 
 
 def _bytes(text: str) -> int:
