@@ -538,11 +538,10 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         Solver tile and relative damping (:func:`bakron.quantize_layer`).
     damp_out, shrink_out
         Regularisation of a global ``H_out`` (``factors`` ``global`` and ``input+global-out``):
-        ``"auto"`` (default) sets its shrinkage toward the diagonal and its damping per layer
-        from its width and the calibration token count
-        (:func:`bakron.factors.auto_regularization`, chosen on held-out calibration folds;
+        ``"auto"`` (default) is the rule of :func:`bakron.factors.auto_regularization`
+        (damping 1 toward the identity, no shrinkage; chosen on calibration-side data,
         docs/hessian.md); a number is its relative damping, with ``shrink_out`` (default 0)
-        its shrinkage.
+        its shrinkage toward the diagonal.
     seed : int
         Seed of the labels drawn for the Fisher.
     labels : {"sample", "sample:K", "fisher:K", "true"}

@@ -205,8 +205,11 @@ def test_output_factor_regularisation(models, tmp_path):
     diag = quantize_model(models / "hf32", tmp_path / "d", factors="input+global-out",
                           damp_out=0.01, shrink_out=1.0, **kw)
     one = quantize_model(models / "hf32", tmp_path / "o", factors="input", **kw)
+    rule = quantize_model(models / "hf32", tmp_path / "r", factors="input+global-out",
+                          damp_out=1.0, shrink_out=0.0, **kw)   # what auto stands for
     for name, W in one["weights"].items():
         assert np.array_equal(diag["weights"][name], W), name
+        assert np.array_equal(rule["weights"][name], auto["weights"][name]), name
     assert any(not np.array_equal(plain["weights"][n], auto["weights"][n])
                for n in one["weights"])
     rc = main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "x"),
