@@ -59,6 +59,7 @@ def _reference(lm, heldout_seed, n_gen=24, seq_len=128):
 
 
 def run(args):
+    import bakron.factors
     from bakron.demo._common import namespace
     from bakron.models import load_llm
     from bakron.quantize_model import quantize_model
@@ -71,15 +72,13 @@ def run(args):
                              args.labels, args.shrink_out, args.damp_out,
                              args.refine)
     seen = set()
-    import bakron.factors
-
+    if args.auto_c is not None:   # the auto rule's damping (as chosen in docs/hessian.md)
+        bakron.factors.AUTO_DAMP_OUT = args.auto_c
     for calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine in grid:
         if factors in ("rtn", "input"):   # (ignored there: no H_out)
             labels, shrink, damp_out, refine = "sample", "auto", 0.01, 0
         if shrink == "auto":
             damp_out = 0.01
-            if args.auto_c is not None:   # the rule's constant (as chosen in docs/hessian.md)
-                bakron.factors.AUTO_DAMP_OUT = args.auto_c
         key = (calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine)
         out_reg = ({} if shrink == "auto" else
                    {"damp_out": damp_out, "shrink_out": float(shrink)})
