@@ -182,6 +182,17 @@ def _damp_or_auto(text: str):
     return "auto" if text == "auto" else _damp(text)
 
 
+def _incoherence(text: str):
+    """``--incoherence``: auto, off or a seed."""
+    if text in ("auto", "off"):
+        return None if text == "off" else "auto"
+    try:
+        return _count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be auto, off or a seed (an integer >= 0), "
+                                         f"got {text!r}") from None
+
+
 def _labels(text: str) -> str:
     from .hessian.transformer import parse_labels
 
@@ -367,10 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
                     help="where the model and the solves run (default cpu, gpu with --gpus; "
                          "auto uses a GPU when cupy sees one)")
-    qm.add_argument("--incoherence", type=int, default=None, metavar="SEED",
+    qm.add_argument("--incoherence", type=_incoherence, default="auto",
+                    metavar="auto|off|SEED",
                     help="rotate every layer on both sides (random signs and Hadamard "
-                         "transforms, this seed) before rounding; --format float only (GGUF "
-                         "and GPTQ files cannot carry the rotations)")
+                         "transforms of this seed) before rounding: auto (default) is seed 0 "
+                         "with --format float and off for GGUF and GPTQ, whose files cannot "
+                         "carry the rotations (a seed is refused there)")
     qm.add_argument("--quiet", action="store_true", help="no progress output")
     where = qm.add_mutually_exclusive_group()
     where.add_argument("--scheduler", metavar="ADDRESS", default=None,
@@ -605,8 +618,7 @@ def _cmd_quantize_model(args) -> int:
                                 shrink_out=args.shrink_out, labels=args.labels,
                                 progress=not args.quiet,
                                 scheduler=args.scheduler, gpus=args.gpus,
-                                **({} if args.incoherence is None
-                                   else {"incoherence": args.incoherence}),
+                                incoherence=args.incoherence,
                                 **({} if args.refine is None
                                    else {"refine_iters": args.refine}))
     except ClusterUnavailable as exc:

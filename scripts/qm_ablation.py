@@ -68,18 +68,20 @@ def run(args):
     lm = load_llm("smollm2", xp=xp)
     ref = _reference(lm, args.heldout_seed)
     deadline = time.perf_counter() + args.deadline
-    grid = itertools.product(args.calib, args.seqs, args.bits, args.incoherence, args.factors,
+    seeds = [(0 if args.format == "float" else -1) if v == "auto" else int(v)
+             for v in args.incoherence]
+    grid = itertools.product(args.calib, args.seqs, args.bits, seeds, args.factors,
                              args.labels, args.shrink_out, args.damp_out,
-                             args.refine)
+                             args.refine, args.tile)
     seen = set()
     if args.auto_c is not None:   # the auto rule's damping (as chosen in docs/hessian.md)
         bakron.factors.AUTO_DAMP_OUT = args.auto_c
-    for calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine in grid:
+    for calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine, tile in grid:
         if factors in ("rtn", "input"):   # (ignored there: no H_out)
             labels, shrink, damp_out, refine = "sample", "auto", 0.01, 0
         if shrink == "auto":
             damp_out = 0.01
-        key = (calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine)
+        key = (calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine, tile)
         out_reg = ({} if shrink == "auto" else
                    {"damp_out": damp_out, "shrink_out": float(shrink)})
         if key in seen:
@@ -97,7 +99,7 @@ def run(args):
                                  calib=calib, **fixed,
                                  calib_seqs=seqs, device=args.device, labels=labels,
                                  incoherence=None if inc < 0 else inc, keep_weights=True,
-                                 refine_iters=refine,
+                                 refine_iters=refine, tile=(tile, tile),
                                  progress=False, **out_reg)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -107,14 +109,14 @@ def run(args):
         row = {"format": args.format, "calib": calib, "seqs": seqs,
                "tokens": res["calibration"]["tokens"],
                "bits": bits, "incoherence": inc, "factors": factors, "labels": labels,
-               "shrink_out": shrink, "damp_out": damp_out, "refine": refine,
+               "shrink_out": shrink, "damp_out": damp_out, "refine": refine, "tile": tile,
                "rule": (f"damp {bakron.factors.AUTO_DAMP_OUT:g}" if shrink == "auto"
                         and factors not in ("rtn", "input") else None),
                "wall": wall, "seconds": res["seconds"], "device": res["device"],
                **{f"{k}_{m}": figs[k][m] for k in figs
                   for m in ("kl", "kl_text_sem", "kl_per_text", "perplexity")}}
         say(f"{calib} {seqs}x128 {bits}b inc={inc} {factors} {labels} shrink={shrink} "
-            f"damp_out={damp_out} refine={refine}: "
+            f"damp_out={damp_out} refine={refine} tile={tile}: "
             + "  ".join(
             f"{k} {figs[k]['kl']:.4f}±{figs[k]['kl_text_sem']:.4f}" for k in figs)
             + f"  ({wall:.0f} s)")
@@ -136,9 +138,9 @@ def table(args):
 
     def base_of(r):
         for q in rows:
-            if (q["format"], q["calib"], q["seqs"], q["bits"], q["incoherence"],
+            if (q["format"], q["calib"], q["seqs"], q["bits"], q["incoherence"], q["tile"],
                     q["factors"]) == (r["format"], r["calib"], r["seqs"], r["bits"],
-                                      r["incoherence"], "input"):
+                                      r["incoherence"], r["tile"], "input"):
                 return q
         return None
 
@@ -148,6 +150,7 @@ def table(args):
         r.setdefault("damp_out", 0.01)
         r.setdefault("refine", 1)   # (rows from before the option: one step)
         r.setdefault("rule", None)
+        r.setdefault("tile", 16)   # (rows from before the option: the command's tiles)
 
     def regularisation(r):
         if r["factors"] in ("rtn", "input"):   # no H_out
@@ -164,6 +167,7 @@ def table(args):
                 "refine": "—" if no_out else str(r["refine"]),
                 "labels": "—" if no_out else r["labels"],
                 "incoherence": "none" if r["incoherence"] < 0 else str(r["incoherence"]),
+                "tile": f"{r['tile']}×{r['tile']}",
                 "H_out": regularisation(r), "device": r["device"]}
 
     shown = [k for k in cols(rows[0])
@@ -173,7 +177,7 @@ def table(args):
           + " | ".join(f"{k} KL ± s.e. | ÷ input ± s.e." for k in TEXTS) + " | wall (s) |")
     print("|---" * (len(shown) + 2 * len(TEXTS) + 1) + "|")
     for r in sorted(rows, key=lambda r: (r["format"], r["calib"], r["tokens"], r["bits"],
-                                         r["incoherence"], r["factors"] != "input",
+                                         r["incoherence"], r["tile"], r["factors"] != "input",
                                          r["factors"], r["labels"], -r["refine"],
                                          regularisation(r))):
         base = base_of(r)
@@ -216,8 +220,11 @@ def main(argv=None):
                    help="the damping of the auto rule (bakron.factors.AUTO_DAMP_OUT)")
     r.add_argument("--refine", nargs="+", type=int, default=[0],
                    help="refinement steps of the global factors (default 0: K-FAC)")
-    r.add_argument("--incoherence", nargs="+", type=int, default=[-1],
-                   help="seeds; -1 for none")
+    r.add_argument("--incoherence", nargs="+", default=["auto"],
+                   help="seeds; -1 for none; auto (default): the command's, seed 0 for "
+                        "--format float and none for GGUF")
+    r.add_argument("--tile", nargs="+", type=int, default=[16],
+                   help="square solver tiles (default 16, the command's)")
     r.add_argument("--heldout-seed", type=int, default=1000)
     r.add_argument("--deadline", type=float, default=1e9, help="seconds; then stop starting runs")
     t = sub.add_parser("table")

@@ -176,7 +176,7 @@ def test_quantize_model_float_with_incoherence(tiny_gguf, tmp_path, factors):
     kw = dict(fmt="float", factors=factors, bits=3, calib_seqs=4, calib_len=16,
               progress=False, keep_weights=True)
     rot = quantize_model(tiny_gguf, tmp_path / "r", incoherence=5, **kw)
-    plain = quantize_model(tiny_gguf, tmp_path / "p", **kw)
+    plain = quantize_model(tiny_gguf, tmp_path / "p", incoherence=None, **kw)
     lm = load_llm(tiny_gguf)
     grid = _grid_settings("float", 3, None, None)
     name = "blk.1.ffn_down"
@@ -208,3 +208,40 @@ def test_quantize_model_refuses_incoherence_for_codes_formats(tiny_gguf, tmp_pat
     assert not (tmp_path / "x").exists()
     assert main(["quantize-model", str(tiny_gguf), "--out", str(tmp_path / "y"), "--format",
                  fmt, "--incoherence", "1", "--quiet"]) == 2
+
+
+def test_quantize_model_incoherence_auto(tiny_gguf, tmp_path):
+    """``incoherence="auto"`` (the default) is seed 0 for a float export (bitwise) and off for
+    GGUF, which cannot carry the rotations; the CLI's auto / off / SEED map onto it."""
+    pytest.importorskip("tqdm")
+    from bakron.cli import main
+    from bakron.io import InputError
+    from bakron.quantize_model import quantize_model
+
+    kw = dict(factors="input", calib_seqs=4, calib_len=16, progress=False, keep_weights=True)
+    auto = quantize_model(tiny_gguf, tmp_path / "a", fmt="float", bits=3, **kw)
+    seed0 = quantize_model(tiny_gguf, tmp_path / "s", fmt="float", bits=3, incoherence=0, **kw)
+    seed1 = quantize_model(tiny_gguf, tmp_path / "s1", fmt="float", bits=3, incoherence=1, **kw)
+    for name, w in auto["weights"].items():
+        np.testing.assert_array_equal(w, seed0["weights"][name])
+    assert any(not np.array_equal(w, seed1["weights"][n]) for n, w in auto["weights"].items())
+    gg = quantize_model(tiny_gguf, tmp_path / "a.gguf", fmt="gguf-q4_0", **kw)
+    off = quantize_model(tiny_gguf, tmp_path / "o.gguf", fmt="gguf-q4_0", incoherence=None,
+                         **kw)
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "o.gguf").read_bytes()
+    assert sorted(gg["weights"]) == sorted(off["weights"])
+    with pytest.raises(InputError, match="incoherence must be 'auto'"):
+        quantize_model(tiny_gguf, tmp_path / "x", fmt="float", incoherence="on", bits=3, **kw)
+    assert not (tmp_path / "x").exists()
+    cli = ["quantize-model", str(tiny_gguf), "--format", "float", "--bits", "3", "--factors",
+           "input", "--calib-seqs", "4", "--calib-len", "16", "--quiet"]
+    assert main(cli + ["--out", str(tmp_path / "c"), "--incoherence", "off"]) == 0
+    from bakron.models import load_llm
+
+    name = "blk.1.ffn_down"
+    plain = quantize_model(tiny_gguf, tmp_path / "p", fmt="float", bits=3, incoherence=None,
+                           **kw)
+    np.testing.assert_array_equal(np.asarray(load_llm(tmp_path / "c").linear_weight(name)),
+                                  plain["weights"][name])
+    assert main(cli + ["--out", str(tmp_path / "d"), "--incoherence", "maybe"]) == 2
+    assert not (tmp_path / "d").exists()

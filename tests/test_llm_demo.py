@@ -228,6 +228,46 @@ def test_without_refinement_local_in_is_global(tmp_path):
     assert not (tmp_path / "llm_layers.png").exists()       # no proxies, no per-layer plot
 
 
+def test_incoherence_rounds_the_rotated_layers(tmp_path, monkeypatch):
+    """With incoherence processing (default seed 0) every method rounds ``U W Vᵀ`` on the grid
+    fitted to it and the model is evaluated with the weights rotated back; ``None`` rounds W."""
+    from bakron import UniformQuantizer
+
+    seen = {}
+    weight = demo._Run._weight
+
+    def spy(self, name, b, meth, dtype):
+        w = weight(self, name, b, meth, dtype)
+        seen[(name, meth, self.incoherence)] = (np.asarray(w), self.rotations.get(name))
+        return w
+
+    monkeypatch.setattr(demo._Run, "_weight", spy)
+    lm = _tiny_lm()
+    kw = dict(model=lm, device="cpu", bits=(3,), n_calibration=8, n_heldout=4,
+              layers=["blk.0.attn_v", "blk.2.ffn_down"], lee=False, proxies=False,
+              progress=False)
+    rot_res = demo.run(tmp_path / "r", incoherence=2, **kw)
+    plain = demo.run(tmp_path / "p", incoherence=None, **kw)
+    assert rot_res["incoherence"] == 2 and plain["incoherence"] is None
+    assert "incoherence processing, seed 2" in (tmp_path / "r" / "llm_report.md").read_text()
+    for (name, meth, inc), (w, rot) in seen.items():
+        W = np.asarray(lm.weights[name + ".weight"])
+        if inc is None:
+            assert rot is None
+            continue
+        q = UniformQuantizer.fit(rot.rotate_weight(W), 3, symmetric=False, method="minmax",
+                                 granularity="group", group_size=64)
+        back = rot.rotate_weight(w.astype(np.float64))        # U Ŵ Vᵀ: on the rotated grid
+        np.testing.assert_allclose(back, np.asarray(q.rtn(back)[0], dtype=np.float64),
+                                   atol=2e-5)
+        if meth == "rtn":
+            np.testing.assert_allclose(w, rot.unrotate_weight(q.rtn(rot.rotate_weight(W))[0]),
+                                       atol=1e-6)
+        assert not np.allclose(w, seen[(name, meth, None)][0])
+    by = {(e["method"]): e["kl"] for e in plain["summary"]}
+    assert all(e["kl"] != by[e["method"]] for e in rot_res["summary"])
+
+
 def test_quick_layers():
     names = [f"blk.{i}.{k}" for i in range(30) for k in ("attn_q", "ffn_down")]
     assert demo.quick_layers(names) == ["blk.0.attn_q", "blk.0.ffn_down", "blk.29.attn_q",

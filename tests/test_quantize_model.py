@@ -102,8 +102,8 @@ def test_gptq_folder_unpacks_to_w_hat(models, tmp_path, sym):
 def test_float_export_keeps_the_source_dtype(models, tmp_path):
     out = tmp_path / "float"
     res = quantize_model(models / "hf32", out, fmt="float", factors="input", bits=3,
-                         group_size=16, keep_weights=True, **FAST)
-    back = load_llm(out)   # F32 source: W_hat stored exactly
+                         group_size=16, keep_weights=True, incoherence=None, **FAST)
+    back = load_llm(out)   # F32 source: W_hat stored exactly (without rotations: on the grid)
     for name, W_hat in res["weights"].items():
         np.testing.assert_array_equal(np.asarray(back.linear_weight(name)), W_hat)
         assert len(np.unique(W_hat[0, :16])) <= 8   # 3 bits: at most 8 levels per group

@@ -67,6 +67,18 @@ def test_dask_solves_write_the_same_export(models, tmp_path, client, local_expor
     assert not client.who_has()   # no future or scattered array outlives the run
 
 
+def test_dask_solves_with_incoherence(models, tmp_path, client):
+    """A float export's default rotations (seed 0) travel to the workers: the same weights as
+    the solves in the driver, and not those of the run without rotations."""
+    kw = dict(fmt="float", factors="global", bits=3, keep_weights=True, **FAST)
+    local = quantize_model(models / "tiny.gguf", tmp_path / "local", **kw)
+    dask = quantize_model(models / "tiny.gguf", tmp_path / "dask", client=client, **kw)
+    plain = quantize_model(models / "tiny.gguf", tmp_path / "plain", incoherence=None, **kw)
+    for name, W_hat in local["weights"].items():
+        np.testing.assert_array_equal(dask["weights"][name], W_hat)
+    assert any(not np.array_equal(plain["weights"][n], w) for n, w in local["weights"].items())
+
+
 def test_cli_scheduler_address(models, tmp_path, cluster, local_exports, capsys):
     out = tmp_path / "cli.gguf"
     rc = main(["quantize-model", str(models / "tiny.gguf"), "--out", str(out), "--factors",

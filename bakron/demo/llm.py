@@ -108,7 +108,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
         blas_threads: int | None = 1, calib: str = "docs",
-        continuations: int | None = None, calib_tokens: int | None = None) -> dict:
+        continuations: int | None = None, calib_tokens: int | None = None,
+        incoherence: int | None = 0) -> dict:
     """Quantize a causal LM's linear layers and write a report (``bakron demo``).
 
     Parameters
@@ -200,6 +201,11 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
     blas_threads : int or None
         BLAS threads on the CPU during the run (``threadpoolctl``); ``None`` leaves the
         library default.
+    incoherence : int or None
+        Incoherence processing (:mod:`bakron.incoherence`) with this seed (default 0): each
+        layer is rotated on both sides before every method rounds it (the grid is fitted to
+        the rotated weights) and the rounded weights are rotated back, as ``bakron
+        quantize-model --format float`` does by default; ``None`` rounds ``W`` itself.
 
     Returns
     -------
@@ -230,6 +236,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         raise ValueError(f"accum_dtype must be 'float32' or 'float64', got {accum_dtype!r}")
     if continuations is not None:
         continuations = check_int(continuations, "continuations", minimum=0)
+    if incoherence is not None:
+        incoherence = check_int(incoherence, "incoherence", minimum=0)
     if calib not in CALIB_MIXES:
         raise ValueError(f"calib must be one of {', '.join(CALIB_MIXES)}, got {calib!r}")
     if refine not in ("token", "sequence"):
@@ -251,7 +259,8 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
                     refine_iters=refine_iters, refine=refine, budget_bytes=budget_bytes,
                     batch_size=batch_size, cache=cache, wheel=wheel, seed=seed,
                     accum_dtype=accum_dtype, calib=calib, continuations=continuations,
-                    calib_tokens=calib_tokens, proxy_bits=_proxy_bits(proxies, bits)).go()
+                    calib_tokens=calib_tokens, proxy_bits=_proxy_bits(proxies, bits),
+                    incoherence=incoherence).go()
 
 
 class _Run:
@@ -419,7 +428,8 @@ class _Run:
         from ..hessian import global_factors
 
         xp = self.xp
-        self.codes, self.quantizers, self.rows = {}, {}, {}
+        self.codes, self.quantizers, self.rows, self.rotations = {}, {}, {}, {}
+        self._rot_in = None
         self.solve_seconds = 0.0
         wanted = set(self.names)
         self.local_in: dict[str, object] = {}
@@ -502,6 +512,8 @@ class _Run:
         xp, tile = self.xp, self.tile
         W = self.lm.weights[name + ".weight"]
         m_, n_ = W.shape
+        if self.incoherence is not None:   # every method rounds the rotated layer
+            W, H_loc, H_g, Ho_g = self._rotated(name, W, H_loc, H_g, Ho_g)
         fc: dict = {}
         pairs = {"ldlq": (H_loc, None), "global": (H_g, Ho_g), "local_in": (H_loc, Ho_g)}
         if self.refine_iters == 0:
@@ -556,6 +568,19 @@ class _Run:
             row["bits"][b] = figs
         self.rows[name] = row
 
+    def _rotated(self, name, W, H_loc, H_g, Ho_g):
+        """The layer and its factors rotated by the layer's :class:`Incoherence` (kept for
+        the evaluation); one rotated local ``H_in`` for the layers that share their input,
+        so that its prepared factor is shared as without rotations."""
+        from ..incoherence import Incoherence
+
+        rot = self.rotations[name] = Incoherence(*W.shape, seed=self.incoherence)
+        if self._rot_in is None or self._rot_in[0] is not H_loc:   # (holds H_loc: ids stay)
+            self._rot_in = (H_loc, rot.rotate_in(H_loc))
+        H_loc_r = self._rot_in[1]
+        H_g_r = H_loc_r if H_g is H_loc else rot.rotate_in(H_g)
+        return rot.rotate_weight(W), H_loc_r, H_g_r, rot.rotate_out(Ho_g)
+
     def _evaluate(self):
         xp = self.xp
         n_eval = len(self.bits) * len(self.methods)
@@ -567,9 +592,7 @@ class _Run:
         for b in self.bits:
             for meth in self.methods:
                 t0 = time.perf_counter()
-                new = {n + ".weight": dequantize_codes(xp, self.codes[(n, b, meth)],
-                                                       self.quantizers[(n, b)], dtype)
-                       for n in self.names}
+                new = {n + ".weight": self._weight(n, b, meth, dtype) for n in self.names}
                 qm = self.lm.with_weights(new)
                 st = qm.stages()
                 fig, _ = evaluate(xp, st, self.W_out, self.data, self.ref_hidden)
@@ -596,6 +619,13 @@ class _Run:
                     self.codes.pop((n, b, meth), None)
         self.clock.stop("evaluate")
 
+    def _weight(self, name, b, meth, dtype):
+        """The quantized weight of one layer (rotated back with incoherence processing)."""
+        W_hat = dequantize_codes(self.xp, self.codes[(name, b, meth)],
+                                 self.quantizers[(name, b)], dtype)
+        rot = self.rotations.get(name)
+        return W_hat if rot is None else rot.unrotate_weight(W_hat)
+
     def _result(self):
         from .. import __version__
 
@@ -614,7 +644,7 @@ class _Run:
             "model": self.model_name, "device": self.dev, "bits": list(self.bits),
             "methods": list(self.methods), "quick": bool(self.quick),
             "tile": list(self.tile), "engine": self.engine, "engine_note": self.engine_note,
-            "damp": self.damp, "damp_out": self.damp_out,
+            "damp": self.damp, "damp_out": self.damp_out, "incoherence": self.incoherence,
             "grid": {"symmetric": False, "scale": "minmax", "group_size": self.group_size},
             "refine_iters": self.refine_iters, "refine": self.refine,
             "proxy_bits": self.proxy_bits,
@@ -855,7 +885,10 @@ def _markdown(res: dict) -> str:
         f"{len(res['layers_quantized'])} linear layers quantized at "
         f"{', '.join(map(str, res['bits']))} bits. One grid for every method: asymmetric codes "
         f"with a scale and zero point per group of {res['grid']['group_size']} inputs, fitted "
-        f"to W by min/max (no clipping). Tile {res['tile'][0]}×{res['tile'][1]} (engine "
+        f"to W by min/max (no clipping)"
+        + (f", of the layer rotated on both sides first (incoherence processing, seed "
+           f"{res['incoherence']}; the rounded weights are rotated back)"
+           if res.get("incoherence") is not None else "") + f". Tile {res['tile'][0]}×{res['tile'][1]} (engine "
         f"{res['engine']}" + (f"; {res['engine_note']}" if res.get("engine_note") else "")
         + f"), damping {res['damp']}"
         + (f"; the global H_out of the two-sided methods damped by 1 toward the identity "

@@ -30,7 +30,7 @@ class ClusterUnavailable(RuntimeError):
 
 
 def solve_task(work: str, name: str, key: str, W, H_in, H_out, grid: dict, tile, damp,
-               device: str) -> dict:
+               device: str, incoherence: int | None = None) -> dict:
     """The body of one layer task (runs on a worker): the arrays on the worker's ``device``,
     then the driver's own solve-and-publish. Returns ``{"name", "seconds", "worker"}``."""
     from ..demo._common import namespace
@@ -39,7 +39,7 @@ def solve_task(work: str, name: str, key: str, W, H_in, H_out, grid: dict, tile,
     t = time.perf_counter()
     xp, _ = namespace(device)
     on = [None if a is None else xp.asarray(a) for a in (W, H_in, H_out)]
-    solve_and_publish(work, name, key, *on, grid, tile, damp)
+    solve_and_publish(work, name, key, *on, grid, tile, damp, incoherence=incoherence)
     try:
         from distributed import get_worker
 
@@ -118,21 +118,23 @@ class DaskLayerSolves:
         return cls(client, cluster=cluster, owns_client=True, retries=retries, device=device)
 
     # -- running -------------------------------------------------------------------------
-    def start(self, work: str, *, grid: dict, tile, damp, on_done) -> None:
-        """The run's settings; ``on_done(name, seconds)`` counts a published layer."""
+    def start(self, work: str, *, grid: dict, tile, damp, on_done,
+              incoherence: int | None = None) -> None:
+        """The run's settings (``incoherence``: the rotation seed, or ``None``);
+        ``on_done(name, seconds)`` counts a published layer."""
         from distributed import as_completed
 
         from ._run import _gpu_resource
 
         self._settings = (work, dict(grid), tuple(tile),
-                          dict(damp) if isinstance(damp, dict) else float(damp))
+                          dict(damp) if isinstance(damp, dict) else float(damp), incoherence)
         self._on_done = on_done
         self._resources = _gpu_resource(self.client)
         self._ac = as_completed()
 
     def submit(self, name: str, key: str, W, H_in, H_out) -> None:
         """Submit the solve of layer ``name`` (host copies of its arrays, scattered once)."""
-        work, grid, tile, damp = self._settings
+        work, grid, tile, damp, incoherence = self._settings
         arrays = [_host_copy(a) for a in (W, H_in, H_out)]
         present = [a for a in arrays if a is not None]
         scattered = iter(self.client.scatter(present, hash=False)) if present else iter(())
@@ -141,7 +143,7 @@ class DaskLayerSolves:
         # layer of changed weights is never taken for a task of the old ones
         tag = hashlib.sha256(key.encode()).hexdigest()[:16]
         fut = self.client.submit(solve_task, work, name, key, *args, grid, tile, damp,
-                                 self.device, key=f"bakron-model-layer-{tag}-{name}",
+                                 self.device, incoherence, key=f"bakron-model-layer-{tag}-{name}",
                                  retries=self.retries, resources=self._resources, pure=False)
         self._futures[fut.key] = (fut, name)
         self._ac.add(fut)
