@@ -360,9 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--damp", type=_damp, default=0.01,
                     help="relative damping of the factors (default 0.01)")
     qm.add_argument("--damp-out", type=_damp_or_auto, default="auto", metavar="auto|D",
-                    help="regularisation of a global H_out: auto (default) damps it by 1 "
-                         "(its mean diagonal) toward the identity (docs/hessian.md); a number "
-                         "is its relative damping")
+                    help="regularisation of a global H_out: auto (default) damps it toward "
+                         "the identity by 3 (its mean diagonal) for a rotated layer "
+                         "(--incoherence), by 1 otherwise (docs/hessian.md); a number is its "
+                         "relative damping")
     qm.add_argument("--shrink-out", type=_fraction, default=None, metavar="S",
                     help="with a numeric --damp-out: shrink a global H_out toward its "
                          "diagonal, (1-S) H_out + S diag(H_out), S in [0, 1] (default 0)")

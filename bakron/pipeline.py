@@ -175,8 +175,8 @@ def layer_damping(settings, H_out) -> dict:
     if settings.get("out") == "auto":
         from .factors import auto_regularization
 
-        kw["shrink_out"], kw["damp_out"] = auto_regularization(H_out.shape[0],
-                                                               settings["tokens"])
+        kw["shrink_out"], kw["damp_out"] = auto_regularization(
+            H_out.shape[0], settings["tokens"], rotated=settings.get("rotated", False))
     else:
         kw["shrink_out"], kw["damp_out"] = settings["shrink_out"], settings["damp_out"]
     return kw

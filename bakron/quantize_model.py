@@ -539,8 +539,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     damp_out, shrink_out
         Regularisation of a global ``H_out`` (``factors`` ``global`` and ``input+global-out``):
         ``"auto"`` (default) is the rule of :func:`bakron.factors.auto_regularization`
-        (damping 1 toward the identity, no shrinkage; chosen on calibration-side data,
-        docs/hessian.md); a number is its relative damping, with ``shrink_out`` (default 0)
+        (damping toward the identity, 3 for a rotated layer and 1 otherwise, no shrinkage;
+        chosen on calibration-side data, docs/hessian.md); a number is its relative damping, with ``shrink_out`` (default 0)
         its shrinkage toward the diagonal.
     seed : int
         Seed of the labels drawn for the Fisher.
@@ -725,8 +725,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         t0 = time.perf_counter()
         model_hash, layer_hashes = _fingerprint(lm)
         seconds["hash"] = time.perf_counter() - t0
-        if solve_settings.get("out") == "auto":
+        if solve_settings.get("out") == "auto":   # (the rule depends on the rotations)
             solve_settings["tokens"] = int(sum(map(len, seqs)))
+            solve_settings["rotated"] = incoherence is not None
         options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
                    **({} if factors in ("rtn", "input") else {"h_out": solve_settings}),
                    "refine_iters": 0 if factors in ("rtn", "input") else refine_iters,

@@ -75,7 +75,10 @@ def run(args):
                              args.refine, args.tile)
     seen = set()
     if args.auto_c is not None:   # the auto rule's damping (as chosen in docs/hessian.md)
-        bakron.factors.AUTO_DAMP_OUT = args.auto_c
+        bakron.factors.AUTO_DAMP_OUT = bakron.factors.AUTO_DAMP_OUT_ROTATED = args.auto_c
+
+    def auto_damp(rotated):
+        return bakron.factors.auto_regularization(1, 1, rotated=rotated)[1]
     for calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine, tile in grid:
         if factors in ("rtn", "input"):   # (ignored there: no H_out)
             labels, shrink, damp_out, refine = "sample", "auto", 0.01, 0
@@ -110,7 +113,7 @@ def run(args):
                "tokens": res["calibration"]["tokens"],
                "bits": bits, "incoherence": inc, "factors": factors, "labels": labels,
                "shrink_out": shrink, "damp_out": damp_out, "refine": refine, "tile": tile,
-               "rule": (f"damp {bakron.factors.AUTO_DAMP_OUT:g}" if shrink == "auto"
+               "rule": (f"damp {auto_damp(inc >= 0):g}" if shrink == "auto"
                         and factors not in ("rtn", "input") else None),
                "wall": wall, "seconds": res["seconds"], "device": res["device"],
                **{f"{k}_{m}": figs[k][m] for k in figs
@@ -217,7 +220,8 @@ def main(argv=None):
     r.add_argument("--damp-out", nargs="+", type=float, default=[0.01],
                    help="relative damping of H_out with a numeric --shrink-out (default 0.01)")
     r.add_argument("--auto-c", type=float, default=None,
-                   help="the damping of the auto rule (bakron.factors.AUTO_DAMP_OUT)")
+                   help="the damping of the auto rule, with and without rotations "
+                        "(bakron.factors.AUTO_DAMP_OUT and AUTO_DAMP_OUT_ROTATED)")
     r.add_argument("--refine", nargs="+", type=int, default=[0],
                    help="refinement steps of the global factors (default 0: K-FAC)")
     r.add_argument("--incoherence", nargs="+", default=["auto"],

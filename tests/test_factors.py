@@ -134,5 +134,6 @@ def test_shrink_moves_toward_the_diagonal():
         prepare_factor(H, 1, shrink=True)
     for m, n in ((192, 4096), (1536, 4096), (1536, 10 ** 9)):   # no shrinkage, damping 1
         assert auto_regularization(m, n) == (0.0, 1.0)
+        assert auto_regularization(m, n, rotated=True) == (0.0, 3.0)   # 3 for rotated layers
     with pytest.raises(ValueError, match="tokens"):
         auto_regularization(10, 0)

@@ -205,11 +205,17 @@ def test_output_factor_regularisation(models, tmp_path):
     diag = quantize_model(models / "hf32", tmp_path / "d", factors="input+global-out",
                           damp_out=0.01, shrink_out=1.0, **kw)
     one = quantize_model(models / "hf32", tmp_path / "o", factors="input", **kw)
+    # what auto stands for: damping 3 for the rotated layers of the float default, 1 without
     rule = quantize_model(models / "hf32", tmp_path / "r", factors="input+global-out",
-                          damp_out=1.0, shrink_out=0.0, **kw)   # what auto stands for
+                          damp_out=3.0, shrink_out=0.0, **kw)
+    auto0 = quantize_model(models / "hf32", tmp_path / "a0", factors="input+global-out",
+                           incoherence=None, **kw)
+    rule0 = quantize_model(models / "hf32", tmp_path / "r0", factors="input+global-out",
+                           damp_out=1.0, shrink_out=0.0, incoherence=None, **kw)
     for name, W in one["weights"].items():
         assert np.array_equal(diag["weights"][name], W), name
         assert np.array_equal(rule["weights"][name], auto["weights"][name]), name
+        assert np.array_equal(rule0["weights"][name], auto0["weights"][name]), name
     assert any(not np.array_equal(plain["weights"][n], auto["weights"][n])
                for n in one["weights"])
     rc = main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "x"),

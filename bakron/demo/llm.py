@@ -176,8 +176,9 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         Relative damping of every factor (of ``H_in`` only, unless ``damp_out`` is a number).
     damp_out : "auto" or float
         Regularisation of the global ``H_out`` of the two-sided methods: ``"auto"`` damps it
-        by 1 toward the identity (:func:`bakron.factors.auto_regularization`, the rule of
-        ``bakron quantize-model``); a number is its relative damping.
+        toward the identity by 3 with incoherence processing, by 1 without
+        (:func:`bakron.factors.auto_regularization`, the rule of ``bakron quantize-model``);
+        a number is its relative damping.
     refine_iters, refine
         Power-iteration steps of the global factors (:func:`bakron.hessian.global_factors`);
         ``refine_iters=0`` (the default) keeps the K-FAC factors, whose ``H_in`` is the local
@@ -502,7 +503,8 @@ class _Run:
         if self.damp_out == "auto":
             from ..factors import auto_regularization
 
-            shrink, d = auto_regularization(Ho.shape[0], self.cal_tokens)
+            shrink, d = auto_regularization(Ho.shape[0], self.cal_tokens,
+                                            rotated=self.incoherence is not None)
             return d, None, shrink
         return float(self.damp_out), None, 0.0
 
@@ -680,6 +682,13 @@ class _Run:
             "seconds": dict(c.wall), "cpu_seconds": dict(c.cpu), "peak_bytes": dict(c.peak),
             "memory_measure": c.memory.what,
         }
+
+
+def _auto_damp(rotated: bool) -> float:
+    """The damping of ``H_out`` by the auto rule (for the report's text)."""
+    from ..factors import auto_regularization
+
+    return auto_regularization(1, 1, rotated=rotated)[1]
 
 
 #: Prompts of the greedy continuations in the report.
@@ -891,7 +900,8 @@ def _markdown(res: dict) -> str:
            if res.get("incoherence") is not None else "") + f". Tile {res['tile'][0]}×{res['tile'][1]} (engine "
         f"{res['engine']}" + (f"; {res['engine_note']}" if res.get("engine_note") else "")
         + f"), damping {res['damp']}"
-        + (f"; the global H_out of the two-sided methods damped by 1 toward the identity "
+        + (f"; the global H_out of the two-sided methods damped by "
+           f"{_auto_damp(res.get('incoherence') is not None):g} toward the identity "
            f"(damp_out='auto', the rule of bakron.factors.auto_regularization)"
            if res.get("damp_out", "auto") == "auto" else
            f"; H_out damped {res['damp_out']}") + ".",
