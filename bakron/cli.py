@@ -250,10 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--bits", type=_bits_list, default=None, metavar="B[,B...]",
                    help="bit widths (default 3,4 for smollm2, 2,3,4 for minilm and mlp)")
     d.add_argument("--quick", action="store_true", help="a smaller, faster run")
-    d.add_argument("--calib", choices=("docs", "generated+docs", "generated"), default="docs",
-                   help="smollm2 only: calibrate on the Language Reference sentences (docs), "
-                        "those plus as many tokens sampled from the model (generated+docs), "
-                        "or the sampled text alone (default docs)")
+    d.add_argument("--calib", choices=("docs", "generated+docs", "generated"), default=None,
+                   help="smollm2 only: calibrate on the Language Reference sentences and as "
+                        "many tokens sampled from the model (generated+docs, the default), "
+                        "on the sentences alone (docs), or on the sampled text alone")
     d.add_argument("--calib-tokens", type=_positive_int, default=None, metavar="N",
                    help="smollm2 only: the calibration set's size in tokens (default "
                         "6400); the Hessian passes' time is predicted before they start")
@@ -330,12 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "global: two-sided with both K-FAC factors of the KL-Fisher (default: "
                          "0.88-0.92x input's KL on SmolLM2, docs/llm.md); input+global-out: "
                          "local H_in with the global H_out")
-    qm.add_argument("--calib", default="builtin", metavar="FILE|builtin|generated+docs",
-                    help="calibration text: builtin (the Python Language Reference of the "
-                         "stdlib), generated+docs (half sampled from the model, half the "
-                         "Language Reference; sampled text makes up the rest when the "
-                         "Language Reference runs out), generated, or a UTF-8 file, one "
-                         "document per paragraph")
+    qm.add_argument("--calib", default="generated+docs",
+                    metavar="FILE|generated+docs|builtin|generated",
+                    help="calibration text: generated+docs (default: half sampled from the "
+                         "model, cached, half the Python Language Reference of the stdlib; "
+                         "sampled text makes up the rest when the Language Reference runs "
+                         "out), builtin (the Language Reference alone), generated, or a UTF-8 "
+                         "file, one document per paragraph")
     cs = qm.add_mutually_exclusive_group()
     cs.add_argument("--calib-seqs", type=_positive_int, default=None, metavar="N",
                     help="calibration sequences (default 32)")
@@ -542,7 +543,7 @@ def _cmd_demo(args) -> int:
         raise UsageError(f"--out {out} is a file; give a folder")
     t0 = time.perf_counter()
     try:
-        extra = {} if args.calib == "docs" else {"calib": args.calib}
+        extra = {} if args.calib is None else {"calib": args.calib}
         if extra and args.model != "smollm2":
             raise UsageError(f"--calib {args.calib} applies to --model smollm2 only")
         if args.calib_tokens is not None:

@@ -489,7 +489,7 @@ def _left_on_disk(work: Path, exc: BaseException) -> None:
 
 def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global",
                    bits: int | None = None, group_size: int | None = None,
-                   sym: bool | None = None, calib="builtin", calib_seqs: int = 32,
+                   sym: bool | None = None, calib="generated+docs", calib_seqs: int = 32,
                    calib_len: int = 128, memory_budget: int | None = None,
                    device: str | None = None, tile=(16, 16), damp: float = 0.01,
                    damp_out="auto", shrink_out: float | None = None, seed: int = 0,
@@ -520,12 +520,15 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
         of 128, symmetric. The GGUF formats fix their grid (giving another is an error).
-    calib : "builtin", "generated+docs", "generated" or path
-        Calibration text: the stdlib's Python Language Reference; text sampled from the model
-        itself (temperature 1, from BOS; cached, see
-        :mod:`bakron.models.llm.calibration`), alone or for half of the sequences with the
-        Language Reference for the other half; or a UTF-8 file with one document per
-        paragraph (blank-line separated).
+    calib : "generated+docs", "builtin", "generated" or path
+        Calibration text: ``generated+docs`` (default) is text sampled from the model itself
+        (temperature 1, from BOS, seed ``seed``; cached, see
+        :mod:`bakron.models.llm.calibration`) for half of the sequences and the stdlib's
+        Python Language Reference for the other half; ``builtin`` the Language Reference
+        alone, ``generated`` the sampled text alone; or a UTF-8 file with one document per
+        paragraph (blank-line separated). On SmolLM2 the default gave a lower KL than
+        ``builtin`` on model-sampled text, the criterion the defaults are chosen by
+        (docs/llm.md, "The whole model through quantize-model").
     calib_seqs, calib_len
         Number and length (tokens) of the calibration sequences.
     memory_budget : int, optional
@@ -543,7 +546,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         chosen on calibration-side data, docs/hessian.md); a number is its relative damping, with ``shrink_out`` (default 0)
         its shrinkage toward the diagonal.
     seed : int
-        Seed of the labels drawn for the Fisher.
+        Seed of the labels drawn for the Fisher and of the sampled calibration text.
     labels : {"sample", "sample:K", "fisher:K", "true"}
         Estimator of a global ``H_out`` (:class:`bakron.hessian.LMHead`; docs/hessian.md,
         "Label estimators"): one label drawn per position (default), ``K`` draws, the exact

@@ -27,6 +27,28 @@ settings.register_profile("ci", max_examples=100, deadline=None, derandomize=Tru
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_calibration_cache(tmp_path_factory):
+    """Text the tests' models sample for calibration (``quantize_model``'s default
+    ``generated+docs``) is cached in a folder of the session, not in the user's cache; a test
+    that names a cache (argument or ``$BAKRON_CACHE``) gets that one."""
+    from bakron.models.llm import calibration
+
+    root = tmp_path_factory.mktemp("calibration-cache")
+    env = os.environ.get("BAKRON_CACHE")
+    real = calibration._cache_file
+
+    def cache_file(lm, cache, settings):
+        if cache is None and os.environ.get("BAKRON_CACHE") == env:
+            cache = root
+        return real(lm, cache, settings)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(calibration, "_cache_file", cache_file)
+    yield root
+    mp.undo()
+
+
 def _has_gpu() -> bool:
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         return False

@@ -178,8 +178,8 @@ def test_demo_calibrates_on_the_mix(tmp_path):
     c = tmp_path / "cache"
     kw = dict(device="cpu", bits=(4,), methods=("ldlq",), n_calibration=6, n_heldout=4,
               lee=False, progress=False, cache=c, seed=5)
-    docs = demo.run(tmp_path / "a", model=lm, **kw)
-    mixed = demo.run(tmp_path / "b", model=lm, calib="generated+docs", **kw)
+    docs = demo.run(tmp_path / "a", model=lm, calib="docs", **kw)
+    mixed = demo.run(tmp_path / "b", model=lm, **kw)      # the default: the mix
     n_sent = docs["data"]["calibration_tokens"]
     gen = cal.generated_sequences(lm, -(-n_sent // 64), 64, seed=5, cache=c)
     assert mixed["data"]["calibration_texts"] == docs["data"]["calibration_texts"] + len(gen)
@@ -187,6 +187,10 @@ def test_demo_calibrates_on_the_mix(tmp_path):
     assert mixed["data"]["calibration_mix"] == "generated+docs"
     assert "sampled from the model" in (tmp_path / "b" / "llm_report.md").read_text()
     assert mixed["summary"][0]["kl"] != docs["summary"][0]["kl"]
+    # a model that cannot start sampling (no BOS, no EOS) calibrates on the sentences alone
+    plain = demo.run(tmp_path / "e", model=_tiny_lm(), **kw)
+    assert plain["data"]["calibration_mix"] == "docs"
+    assert plain["data"]["calibration_texts"] == docs["data"]["calibration_texts"]
     only = demo.run(tmp_path / "c", model=lm, calib="generated", **kw)
     assert only["data"]["calibration_tokens"] == 64 * len(gen)
     with pytest.raises(ValueError, match="calib must be one of"):

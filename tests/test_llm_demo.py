@@ -448,7 +448,11 @@ def test_quick_demo_on_smollm2(tmp_path, smollm2):
                    progress=False)
     assert res["layers_quantized"] == [f"blk.{i}.{k}" for i in (0, 29) for k in (
         "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
-    assert res["data"]["calibration_texts"] == 8 and res["data"]["lee"] == "not requested"
+    # the default mix: the 8 sentences and about as many tokens sampled from the model
+    n_gen = res["data"]["calibration_texts"] - 8
+    assert res["data"]["calibration_mix"] == "generated+docs" and n_gen >= 1
+    assert f"{n_gen} sequences of 128 tokens sampled" in res["data"]["calibration_source"]
+    assert res["data"]["lee"] == "not requested"
     assert 20 < res["original"]["perplexity"] < 500
     by = {(e["bits"], e["method"]): e for e in res["summary"]}
     assert res["methods"] == list(demo.DEFAULT_METHODS)

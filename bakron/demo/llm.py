@@ -107,7 +107,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         tile=None, damp: float = 0.01, damp_out="auto", refine_iters: int = 0, refine: str = "sequence",
         budget_bytes: int | None = None, batch_size: int = 8, cache=None, wheel=None,
         seed: int = 0, accum_dtype: str = "float32", proxies: bool | int = True,
-        blas_threads: int | None = 1, calib: str = "docs",
+        blas_threads: int | None = 1, calib: str | None = None,
         continuations: int | None = None, calib_tokens: int | None = None,
         incoherence: int | None = 0) -> dict:
     """Quantize a causal LM's linear layers and write a report (``bakron demo``).
@@ -147,12 +147,15 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         they hold at least this many tokens; with ``calib="generated+docs"`` half of them,
         the other half sampled from the model. The evaluation texts stay those of the default
         run.
-    calib : {"docs", "generated+docs", "generated"}
-        ``docs``: the Language Reference sentences alone; ``generated+docs``: those plus as
-        many tokens of text sampled from the model itself (temperature 1, from BOS, seed
-        ``seed``, sequences of 128 tokens, cached; see
-        :mod:`bakron.models.llm.calibration`); ``generated``: the sampled text alone, as many
-        tokens as the sentences would have had.
+    calib : {"generated+docs", "docs", "generated"}, optional
+        Default: ``generated+docs`` (as ``bakron quantize-model``), or ``docs`` for a model
+        that cannot sample (no ``generate``, or neither a BOS nor an EOS token to start
+        from; the report says which). ``generated+docs``: the Language Reference
+        sentences plus as many tokens of text sampled from the model itself (temperature 1,
+        from BOS, seed ``seed``, sequences of 128 tokens, cached; see
+        :mod:`bakron.models.llm.calibration`); ``docs``: the sentences alone;
+        ``generated``: the sampled text alone, as many tokens as the sentences would have
+        had.
     continuations : int, optional
         New tokens of the greedy continuations of :data:`PROMPTS` shown in the report for
         the original and every quantized model (default 30, 12 with ``quick``; 0 for none;
@@ -239,7 +242,7 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         continuations = check_int(continuations, "continuations", minimum=0)
     if incoherence is not None:
         incoherence = check_int(incoherence, "incoherence", minimum=0)
-    if calib not in CALIB_MIXES:
+    if calib is not None and calib not in CALIB_MIXES:
         raise ValueError(f"calib must be one of {', '.join(CALIB_MIXES)}, got {calib!r}")
     if refine not in ("token", "sequence"):
         raise ValueError(f"refine must be 'token' or 'sequence', got {refine!r}")
@@ -356,6 +359,8 @@ class _Run:
             self.eval_source = (f"{n_held} held-out sentences of the Python Language "
                                 f"Reference (topics never used for calibration)")
         max_tok = self.max_tokens or 64
+        if self.calib is None:   # the default: sampled text too, when the model can sample
+            self.calib = "generated+docs" if _can_sample(self.lm) else "docs"
         if self.calib_tokens is None and self.n_calibration is None and not self.quick:
             self.calib_tokens = CALIB_TOKENS
         if self.calib_tokens is not None:
@@ -730,6 +735,13 @@ def _continuation_lines(res) -> list[str]:
                                                    if prompt.endswith("\n") else ""), "",
                   md_table(rows), ""]
     return lines
+
+
+def _can_sample(lm) -> bool:
+    """Whether ``lm`` can sample calibration text from BOS (or EOS)."""
+    cfg = getattr(lm, "config", None)
+    return hasattr(lm, "generate") and any(
+        getattr(cfg, k, None) is not None for k in ("bos_id", "eos_id"))
 
 
 def _sentences_for_tokens(lm, tokens: int, seed: int) -> list:
