@@ -384,8 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="auto|off|SEED",
                     help="rotate every layer on both sides (random signs and Hadamard "
                          "transforms of this seed) before rounding: auto (default) is seed 0 "
-                         "with --format float and off for GGUF and GPTQ, whose files cannot "
-                         "carry the rotations (a seed is refused there)")
+                         "with --format float and Hessian-aware --factors, off for rtn and for "
+                         "GGUF and GPTQ, whose files cannot carry the rotations (a seed is "
+                         "refused there)")
     qm.add_argument("--quiet", action="store_true", help="no progress output")
     where = qm.add_mutually_exclusive_group()
     where.add_argument("--scheduler", metavar="ADDRESS", default=None,

@@ -576,10 +576,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     incoherence : "auto", int or None
         Incoherence processing (:mod:`bakron.incoherence`): every layer is rotated on both
         sides (random signs and Hadamard transforms of this seed) before rounding and rotated
-        back. ``"auto"`` (default): seed 0 for ``fmt="float"``, off for the GGUF and GPTQ
-        formats, whose files store codes of ``W`` and cannot carry the rotations; a seed
-        turns it on (refused for those formats); ``None`` turns it off. On SmolLM2 it lowered
-        the KL of every method (docs/llm.md, "The whole model through quantize-model").
+        back. ``"auto"`` (default): seed 0 for ``fmt="float"`` with Hessian-aware factors;
+        off for ``factors="rtn"`` and for the GGUF and GPTQ formats, whose files store codes
+        of ``W`` and cannot carry the rotations; a seed turns it on (refused for those
+        formats); ``None`` turns it off. On SmolLM2 it lowered the KL of one- and two-sided
+        rounding by about 40 % and raised round-to-nearest's (docs/llm.md, "The whole model
+        through quantize-model").
     refine_iters : int
         Per-sequence refinement steps of the global factors after their K-FAC pass
         (:func:`bakron.hessian.global_factors`; two more Hessian passes each). Default 0: the
@@ -622,7 +624,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         parse_labels(labels, 2 ** 31, "quantize_model")
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    incoherence = _incoherence_seed(incoherence, fmt)
+    incoherence = _incoherence_seed(incoherence, fmt, factors)
     retries = _checked(check_int, retries, "retries", minimum=0)
     refine_iters = _checked(check_int, refine_iters, "refine_iters", minimum=0)
     if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__") or len(tile) != 2:
@@ -876,17 +878,18 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             solves.close()
 
 
-def _incoherence_seed(incoherence, fmt) -> int | None:
+def _incoherence_seed(incoherence, fmt, factors) -> int | None:
     """The rotation seed of a run (``None``: no rotations) from ``incoherence`` ("auto",
-    a seed or ``None``) and the format; ``InputError`` naming a bad value, or a seed for a
-    format that cannot carry the rotations."""
+    a seed or ``None``), the format and the factors ("auto" rotates the Hessian-aware
+    roundings of a float export); ``InputError`` naming a bad value, or a seed for a format
+    that cannot carry the rotations."""
     from .incoherence import refusal
 
     if isinstance(incoherence, str):
         if incoherence != "auto":
             raise InputError(f"incoherence must be 'auto', a seed (an integer >= 0) or None, "
                              f"got {incoherence!r}")
-        return None if refusal(fmt) else 0
+        return None if refusal(fmt) or factors == "rtn" else 0
     if incoherence is None:
         return None
     incoherence = _checked(check_int, incoherence, "incoherence", minimum=0)

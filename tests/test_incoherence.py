@@ -225,6 +225,12 @@ def test_quantize_model_incoherence_auto(tiny_gguf, tmp_path):
     for name, w in auto["weights"].items():
         np.testing.assert_array_equal(w, seed0["weights"][name])
     assert any(not np.array_equal(w, seed1["weights"][n]) for n, w in auto["weights"].items())
+    rtn = dict(kw, factors="rtn")   # auto leaves round-to-nearest on W itself
+    r_auto = quantize_model(tiny_gguf, tmp_path / "ra", fmt="float", bits=3, **rtn)
+    r_off = quantize_model(tiny_gguf, tmp_path / "ro", fmt="float", bits=3, incoherence=None,
+                           **rtn)
+    for name, w in r_auto["weights"].items():
+        np.testing.assert_array_equal(w, r_off["weights"][name])
     gg = quantize_model(tiny_gguf, tmp_path / "a.gguf", fmt="gguf-q4_0", **kw)
     off = quantize_model(tiny_gguf, tmp_path / "o.gguf", fmt="gguf-q4_0", incoherence=None,
                          **kw)

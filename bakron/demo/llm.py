@@ -14,7 +14,9 @@ quantized at each bit width with
   as ``global`` without refinement, the default; not run unless asked for).
 
 One grid for every method: asymmetric codes, a scale and zero point per group of 64 inputs
-(``group_size``) fitted to W by min/max (no clipping). All factors come from the original
+(``group_size``) fitted to W by min/max (no clipping); by default LDLQ and two-sided round
+the layer rotated on both sides (incoherence processing, the grid fitted to the rotated
+weights) and the rounded weights are rotated back. All factors come from the original
 model on calibration sentences of the Python Language Reference (``pydoc_data``); every layer
 is quantized from the original model's statistics ("parallel", not sequential). Quality is
 measured on held-out text never seen in calibration (the Lee news corpus when it can be
@@ -207,9 +209,11 @@ def run(out_dir="bakron-demo-smollm2", *, model="smollm2", device: str = "auto",
         library default.
     incoherence : int or None
         Incoherence processing (:mod:`bakron.incoherence`) with this seed (default 0): each
-        layer is rotated on both sides before every method rounds it (the grid is fitted to
-        the rotated weights) and the rounded weights are rotated back, as ``bakron
-        quantize-model --format float`` does by default; ``None`` rounds ``W`` itself.
+        layer is rotated on both sides before the Hessian-aware methods round it (the grid
+        is fitted to the rotated weights) and the rounded weights are rotated back, as
+        ``bakron quantize-model --format float`` does by default; RTN rounds ``W`` itself
+        (it was worse with the rotations: docs/llm.md). ``None`` rounds ``W`` itself
+        throughout.
 
     Returns
     -------
@@ -517,10 +521,12 @@ class _Run:
         from .. import UniformQuantizer, _xp, solve
 
         xp, tile = self.xp, self.tile
-        W = self.lm.weights[name + ".weight"]
+        W = W0 = self.lm.weights[name + ".weight"]
         m_, n_ = W.shape
-        if self.incoherence is not None:   # every method rounds the rotated layer
+        rot = None
+        if self.incoherence is not None:   # the Hessian-aware methods round the rotated layer
             W, H_loc, H_g, Ho_g = self._rotated(name, W, H_loc, H_g, Ho_g)
+            rot = self.rotations[name]
         fc: dict = {}
         pairs = {"ldlq": (H_loc, None), "global": (H_g, Ho_g), "local_in": (H_loc, Ho_g)}
         if self.refine_iters == 0:
@@ -548,11 +554,16 @@ class _Run:
             self.quantizers[(name, b)] = qz
             figs, done = {}, {}
             for meth in self.methods:
-                if meth == "rtn":
+                if meth == "rtn":   # (on W itself: RTN was worse with the rotations)
                     tq = time.perf_counter()
-                    values, codes = qz.rtn(W)
+                    q0 = qz if rot is None else UniformQuantizer.fit(W0, b, **self.grid_kw(b))
+                    values, codes = q0.rtn(W0)
                     _xp.sync(xp)
                     info = {"seconds_solve": time.perf_counter() - tq}
+                    self.codes[(name, b, meth)] = _codes_u8(xp, codes, q0)
+                    if rot is not None:
+                        self.quantizers[(name, b, meth)] = q0
+                        values = rot.rotate_weight(values)   # (for the rotated proxies)
                 else:
                     Hi, Ho = pairs[meth]
                     key = (id(Hi), id(Ho))
@@ -568,7 +579,7 @@ class _Run:
                     info = {"seconds_solve": res.seconds, "method": res.method,
                             "engine": res.engine}
                     done[key] = meth
-                self.codes[(name, b, meth)] = _codes_u8(xp, codes, qz)
+                    self.codes[(name, b, meth)] = _codes_u8(xp, codes, qz)
                 if metric is not None and b == self.proxy_bits:
                     info["proxy"] = {k: metric(values, k) for k in ("global", "local")}
                 figs[meth] = info
@@ -627,11 +638,13 @@ class _Run:
         self.clock.stop("evaluate")
 
     def _weight(self, name, b, meth, dtype):
-        """The quantized weight of one layer (rotated back with incoherence processing)."""
+        """The quantized weight of one layer (rotated back with incoherence processing,
+        except RTN's, which rounds W itself)."""
+        own = self.quantizers.get((name, b, meth))   # RTN's grid of W itself, with rotations
         W_hat = dequantize_codes(self.xp, self.codes[(name, b, meth)],
-                                 self.quantizers[(name, b)], dtype)
+                                 own or self.quantizers[(name, b)], dtype)
         rot = self.rotations.get(name)
-        return W_hat if rot is None else rot.unrotate_weight(W_hat)
+        return W_hat if rot is None or own is not None else rot.unrotate_weight(W_hat)
 
     def _result(self):
         from .. import __version__
@@ -907,8 +920,9 @@ def _markdown(res: dict) -> str:
         f"{', '.join(map(str, res['bits']))} bits. One grid for every method: asymmetric codes "
         f"with a scale and zero point per group of {res['grid']['group_size']} inputs, fitted "
         f"to W by min/max (no clipping)"
-        + (f", of the layer rotated on both sides first (incoherence processing, seed "
-           f"{res['incoherence']}; the rounded weights are rotated back)"
+        + (f"; LDLQ and two-sided round the layer rotated on both sides (incoherence "
+           f"processing, seed {res['incoherence']}; the rounded weights are rotated back, "
+           f"the grid is fitted to the rotated weights), RTN rounds W itself"
            if res.get("incoherence") is not None else "") + f". Tile {res['tile'][0]}×{res['tile'][1]} (engine "
         f"{res['engine']}" + (f"; {res['engine_note']}" if res.get("engine_note") else "")
         + f"), damping {res['damp']}"
