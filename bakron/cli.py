@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--factors", choices=QM_FACTORS, default="global",
                     help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in; "
                          "global: two-sided with both K-FAC factors of the KL-Fisher (default: "
-                         "0.88-0.92x input's KL on SmolLM2, docs/llm.md); input+global-out: "
+                         "0.88-0.89x input's KL on SmolLM2, docs/llm.md); input+global-out: "
                          "local H_in with the global H_out")
     qm.add_argument("--calib", default="generated+docs",
                     metavar="FILE|generated+docs|builtin|generated",

@@ -66,6 +66,8 @@ def main(argv=None):
     p.add_argument("out")
     p.add_argument("--render", action="store_true",
                    help="only print the markdown table of OUT/summary.json")
+    p.add_argument("--calib", default="generated+docs",
+                   help="calibration text (quantize-model's --calib; default its default)")
     p.add_argument("--calib-seqs", type=int, default=32)
     p.add_argument("--calib-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -101,7 +103,7 @@ def main(argv=None):
     original = {"perplexity": float(np.exp(nll / n)), "tokens": n,
                 "seconds": time.perf_counter() - t}
     res = {"heldout": source, "heldout_tokens": original["tokens"], "original": original,
-           "calib_seqs": a.calib_seqs, "calib_len": a.calib_len, "cpus": os.cpu_count(),
+           "calib": a.calib, "calib_seqs": a.calib_seqs, "calib_len": a.calib_len, "cpus": os.cpu_count(),
            "device": a.device, "gpus": a.gpus, "scheduler": a.scheduler, "methods": {}}
     print(f"original: {original}", flush=True)
     for factors in a.factors.split(","):
@@ -109,7 +111,7 @@ def main(argv=None):
         if gguf.exists():
             gguf.unlink()
         r = quantize_model("smollm2", gguf, fmt="gguf-q4_0", factors=factors,
-                           calib_seqs=a.calib_seqs, calib_len=a.calib_len,
+                           calib=a.calib, calib_seqs=a.calib_seqs, calib_len=a.calib_len,
                            memory_budget=a.memory_budget, keep_weights=True, progress=True,
                            device=a.device, gpus=a.gpus, scheduler=a.scheduler)
         t = time.perf_counter()
