@@ -515,8 +515,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         Default ``"global"`` (two-sided, K-FAC factors, ``H_out`` regularised by
         ``damp_out="auto"``): on SmolLM2 (``fmt="float"``, the other defaults) it gave 0.88x
         and 0.89x the KL of ``"input"`` (one-sided LDLQ) at 3 and 4 bits on text sampled
-        from the model, the calibration-side criterion it was chosen by (docs/llm.md, "The whole model through quantize-model",
-        where its figures on held-out text are too).
+        from the model, the calibration-side criterion it was chosen by (docs/llm.md, "The
+        whole model through quantize-model", where its figures on held-out text are too).
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
         of 128, symmetric. The GGUF formats fix their grid (giving another is an error).
@@ -543,8 +543,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         Regularisation of a global ``H_out`` (``factors`` ``global`` and ``input+global-out``):
         ``"auto"`` (default) is the rule of :func:`bakron.factors.auto_regularization`
         (damping toward the identity, 3 for a rotated layer and 1 otherwise, no shrinkage;
-        chosen on calibration-side data, docs/hessian.md); a number is its relative damping, with ``shrink_out`` (default 0)
-        its shrinkage toward the diagonal.
+        chosen on calibration-side data, docs/hessian.md); a number is its relative damping,
+        with ``shrink_out`` (default 0) its shrinkage toward the diagonal.
     seed : int
         Seed of the labels drawn for the Fisher and of the sampled calibration text.
     labels : {"sample", "sample:K", "fisher:K", "true"}

@@ -923,8 +923,9 @@ def _markdown(res: dict) -> str:
         + (f"; LDLQ and two-sided round the layer rotated on both sides (incoherence "
            f"processing, seed {res['incoherence']}; the rounded weights are rotated back, "
            f"the grid is fitted to the rotated weights), RTN rounds W itself"
-           if res.get("incoherence") is not None else "") + f". Tile {res['tile'][0]}×{res['tile'][1]} (engine "
-        f"{res['engine']}" + (f"; {res['engine_note']}" if res.get("engine_note") else "")
+           if res.get("incoherence") is not None else "")
+        + f". Tile {res['tile'][0]}×{res['tile'][1]} (engine {res['engine']}"
+        + (f"; {res['engine_note']}" if res.get("engine_note") else "")
         + f"), damping {res['damp']}"
         + (f"; the global H_out of the two-sided methods damped by "
            f"{_auto_damp(res.get('incoherence') is not None):g} toward the identity "
