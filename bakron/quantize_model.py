@@ -711,6 +711,10 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             if calib in GENERATED_CALIB:
                 from .models.llm.calibration import calibration_ids
 
+                if lm.config.bos_id is None and lm.config.eos_id is None:
+                    raise InputError(f"--calib {calib} samples text from the model starting "
+                                     f"at its BOS (or EOS) token, and {model} has neither; "
+                                     f"give --calib builtin or a text file")
                 seqs = calibration_ids(lm, calib_seqs * calib_len, mix=calib,
                                        seq_len=calib_len, seed=int(seed), docs=docs,
                                        cache=cache, progress=progress,

@@ -426,3 +426,25 @@ def test_refinement_steps_of_the_global_factors(models, tmp_path):
     rc = main(["quantize-model", str(models / "tiny.gguf"), "--out", str(tmp_path / "g"),
                "--format", "float", "--factors", "global", "--refine", "-1", "--quiet"])
     assert rc == 2 and not (tmp_path / "g").exists()
+
+
+def test_generated_calibration_needs_a_start_token(models, tmp_path, monkeypatch):
+    """The default calibration samples text from BOS (or EOS): a model with neither is refused
+    with an error that names the way out, before the work folder exists."""
+    import bakron.models as bm
+
+    real = bm.load_llm
+
+    def without_start(*a, **k):
+        lm = real(*a, **k)
+        lm.config = type(lm.config)(**{**vars(lm.config), "bos_id": None, "eos_id": None})
+        return lm
+
+    monkeypatch.setattr(bm, "load_llm", without_start)
+    out = tmp_path / "x"
+    with pytest.raises(InputError, match="BOS.*--calib builtin"):
+        quantize_model(models / "tiny.gguf", out, fmt="float", factors="input", **FAST)
+    assert not out.exists() and not work_folder(out).exists()
+    res = quantize_model(models / "tiny.gguf", out, fmt="float", factors="input",
+                         calib="builtin", **FAST)
+    assert res["calibration"]["sequences"] == 4 and out.is_dir()
