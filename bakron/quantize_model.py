@@ -245,8 +245,9 @@ def _converted_source(src, work, to, progress) -> Path:
 
 
 def _config_key(grid, factors, options, calib_seqs) -> str:
-    """The run's configuration (grid, factors, solver options, calibration token ids) as a
-    hash: a work folder of another configuration is another run."""
+    """The run's configuration (grid, factors, solver options, calibration token ids, or the
+    settings of sampled calibration text) as a hash: a work folder of another configuration
+    is another run."""
     h = hashlib.sha256()
     h.update(json.dumps({"version": _VERSION, "grid": grid, "factors": factors,
                          "options": options}, sort_keys=True).encode())
@@ -745,7 +746,12 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             options["incoherence"] = incoherence
         if labels != "sample" and factors not in ("rtn", "input"):   # default: the old key
             options["labels"] = labels
-        key = _config_key(grid, factors, options, seqs)
+        # sampled calibration text is a function of the model (whose weights the layer keys
+        # hold) and these settings: a changed model is this run with stale layers
+        calib_id = seqs if calib not in GENERATED_CALIB or not seqs else {
+            "mix": calib, "tokens": calib_seqs * calib_len, "seq_len": calib_len,
+            "seed": int(seed), "docs": hashlib.sha256(json.dumps(docs).encode()).hexdigest()}
+        key = _config_key(grid, factors, options, calib_id)
         content = layer_hashes if factors == "rtn" else dict.fromkeys(names, model_hash)
 
         def layer_key(name):
