@@ -710,9 +710,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         if docs is not None:
             _check_context(lm, calib_len)
             if calib in GENERATED_CALIB:
-                from .models.llm.calibration import calibration_ids
+                from .models.llm.calibration import calibration_ids, start_token
 
-                if lm.config.bos_id is None and lm.config.eos_id is None:
+                if start_token(lm) is None:
                     raise InputError(f"--calib {calib} samples text from the model starting "
                                      f"at its BOS (or EOS) token, and {model} has neither; "
                                      f"give --calib builtin or a text file")

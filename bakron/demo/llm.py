@@ -364,7 +364,10 @@ class _Run:
                                 f"Reference (topics never used for calibration)")
         max_tok = self.max_tokens or 64
         if self.calib is None:   # the default: sampled text too, when the model can sample
-            self.calib = "generated+docs" if _can_sample(self.lm) else "docs"
+            from ..models.llm.calibration import start_token
+
+            can = hasattr(self.lm, "generate") and start_token(self.lm) is not None
+            self.calib = "generated+docs" if can else "docs"
         if self.calib_tokens is None and self.n_calibration is None and not self.quick:
             self.calib_tokens = CALIB_TOKENS
         if self.calib_tokens is not None:
@@ -748,13 +751,6 @@ def _continuation_lines(res) -> list[str]:
                                                    if prompt.endswith("\n") else ""), "",
                   md_table(rows), ""]
     return lines
-
-
-def _can_sample(lm) -> bool:
-    """Whether ``lm`` can sample calibration text from BOS (or EOS)."""
-    cfg = getattr(lm, "config", None)
-    return hasattr(lm, "generate") and any(
-        getattr(cfg, k, None) is not None for k in ("bos_id", "eos_id"))
 
 
 def _sentences_for_tokens(lm, tokens: int, seed: int) -> list:

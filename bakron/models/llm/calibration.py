@@ -33,7 +33,8 @@ import numpy as np
 
 from ... import _xp
 
-__all__ = ["MIXES", "calibration_ids", "generated_sequences", "model_fingerprint"]
+__all__ = ["MIXES", "calibration_ids", "generated_sequences", "model_fingerprint",
+           "start_token"]
 
 #: The accepted ``mix`` values.
 MIXES = ("generated+docs", "generated", "docs")
@@ -73,9 +74,19 @@ def model_fingerprint(lm) -> str:
     return h.hexdigest()
 
 
+def start_token(lm) -> int | None:
+    """The token sampling starts from without a prompt: the model's BOS, else its EOS, else
+    ``None``."""
+    cfg = getattr(lm, "config", None)
+    for k in ("bos_id", "eos_id"):
+        if getattr(cfg, k, None) is not None:
+            return int(getattr(cfg, k))
+    return None
+
+
 def _start_prompt(lm, prompt) -> list[int]:
     if prompt is None:
-        start = lm.config.bos_id if lm.config.bos_id is not None else lm.config.eos_id
+        start = start_token(lm)
         if start is None:
             raise ValueError("the model has neither a BOS nor an EOS token to start generating "
                              "from; give prompt=[token ids]")
