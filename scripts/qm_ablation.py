@@ -19,6 +19,7 @@ standard error (:func:`ratio`). Rows are appended to ``--out`` as they finish.
     python scripts/qm_ablation.py run --out runs.json --device gpu \
         --calib generated+docs --seqs 128 --factors input global --bits 3 4
     python scripts/qm_ablation.py table runs.json
+    python scripts/qm_ablation.py pool runs.json     # rotation seeds pooled per setting
 """
 from __future__ import annotations
 
@@ -77,8 +78,18 @@ def run(args):
     if args.auto_c is not None:   # the auto rule's damping (as chosen in docs/hessian.md)
         bakron.factors.AUTO_DAMP_OUT = bakron.factors.AUTO_DAMP_OUT_ROTATED = args.auto_c
 
+    if args.auto_wide is not None:   # another damping for the wide factors (ffn_gate/up)
+        rule = bakron.factors.auto_regularization
+
+        def wide_rule(width, tokens, *, rotated=False):
+            shrink, damp = rule(width, tokens, rotated=rotated)
+            return (shrink, args.auto_wide) if width >= args.wide else (shrink, damp)
+        bakron.factors.auto_regularization = wide_rule
+
     def auto_damp(rotated):
-        return bakron.factors.auto_regularization(1, 1, rotated=rotated)[1]
+        d = bakron.factors.auto_regularization(1, 1, rotated=rotated)[1]
+        return f"{d:g}" + ("" if args.auto_wide is None
+                           else f", {args.auto_wide:g} for m >= {args.wide}")
     for calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine, tile in grid:
         if factors in ("rtn", "input"):   # (ignored there: no H_out)
             labels, shrink, damp_out, refine = "sample", "auto", 0.01, 0
@@ -113,9 +124,10 @@ def run(args):
                "tokens": res["calibration"]["tokens"],
                "bits": bits, "incoherence": inc, "factors": factors, "labels": labels,
                "shrink_out": shrink, "damp_out": damp_out, "refine": refine, "tile": tile,
-               "rule": (f"damp {auto_damp(inc >= 0):g}" if shrink == "auto"
+               "rule": (f"damp {auto_damp(inc >= 0)}" if shrink == "auto"
                         and factors not in ("rtn", "input") else None),
                "wall": wall, "seconds": res["seconds"], "device": res["device"],
+               **({"host": args.host} if args.host else {}),
                **{f"{k}_{m}": figs[k][m] for k in figs
                   for m in ("kl", "kl_text_sem", "kl_per_text", "perplexity")}}
         say(f"{calib} {seqs}x128 {bits}b inc={inc} {factors} {labels} shrink={shrink} "
@@ -134,10 +146,52 @@ def ratio(a, b):
     return r, float(d.std(ddof=1) / math.sqrt(d.size))
 
 
-def table(args):
+def _rows(paths):
     rows = []
-    for f in args.results:
+    for f in paths:
         rows += json.loads(Path(f).read_text())
+    return rows
+
+
+def pool(args):
+    """One line per setting with rotations: the rotation seeds pooled. Each text's ratio is
+    that of the mean KLs over every (seed, text) pair, paired with ``--factors input`` of
+    the same seed, with its delta-method standard error; the range is that of the single
+    seeds' ratios; the KLs are the seeds' means. Settings are those of :func:`run` but the
+    seed (``--factors global`` with ``--damp-out auto`` and one label draw, K-FAC)."""
+    rows = [r for r in _rows(args.results) if r["incoherence"] >= 0]
+    key = (lambda r: (r.get("format", "float"), r["calib"], r["tokens"], r["bits"],
+                      r.get("tile", 16)))
+    two = {}
+    one = {(key(r), r["incoherence"]): r for r in rows if r["factors"] == "input"}
+    for r in rows:
+        if (r["factors"] == "global" and r["labels"] == "sample" and r["refine"] == 0
+                and r.get("shrink_out", "auto") == "auto" and (key(r), r["incoherence"]) in one):
+            two.setdefault((key(r), r["rule"]), []).append(r)
+    print("| calibration | tokens | bits | tile | H_out | seeds | "
+          + " | ".join(f"{k} KL, input / global | ÷ input ± s.e. (range)" for k in TEXTS)
+          + " |")
+    print("|---" * (6 + 2 * len(TEXTS)) + "|")
+    for (k, rule), runs in sorted(two.items()):
+        runs = sorted(runs, key=lambda r: r["incoherence"])
+        base = [one[(k, r["incoherence"])] for r in runs]
+        cells = []
+        for t in TEXTS:
+            a = [x for r in runs for x in r[f"{t}_kl_per_text"]]
+            b = [x for q in base for x in q[f"{t}_kl_per_text"]]
+            q, se = ratio(a, b)
+            each = [ratio(r[f"{t}_kl_per_text"], q_[f"{t}_kl_per_text"])[0]
+                    for r, q_ in zip(runs, base)]
+            cells += [f"{np.mean([q_[f'{t}_kl'] for q_ in base]):.3f} / "
+                      f"{np.mean([r[f'{t}_kl'] for r in runs]):.3f}",
+                      f"**{q:.2f}** ± {se:.2f} ({min(each):.2f}–{max(each):.2f})"]
+        print(f"| {k[1]} | {k[2]:,} | {k[3]} | {k[4]}×{k[4]} | auto: {rule} | "
+              + ", ".join(str(r["incoherence"]) for r in runs) + " | "
+              + " | ".join(cells) + " |")
+
+
+def table(args):
+    rows = _rows(args.results)
 
     def base_of(r):
         for q in rows:
@@ -197,7 +251,7 @@ def table(args):
                 cells.append(f"**{q:.2f}** ± {s:.2f}")
         c = cols(r)
         print("| " + " | ".join(c[k] for k in shown) + " | " + " | ".join(cells)
-              + f" | {r['wall']:.0f} |")
+              + (" | — |" if r.get("host") else f" | {r['wall']:.0f} |"))
 
 
 def main(argv=None):
@@ -219,6 +273,11 @@ def main(argv=None):
                         "(the command's damp_out='auto' rule)")
     r.add_argument("--damp-out", nargs="+", type=float, default=[0.01],
                    help="relative damping of H_out with a numeric --shrink-out (default 0.01)")
+    r.add_argument("--auto-wide", type=float, default=None,
+                   help="the auto rule's damping for the H_out of --wide outputs or more")
+    r.add_argument("--wide", type=int, default=1024,
+                   help="width from which --auto-wide applies (default 1024: SmolLM2's "
+                        "ffn_gate and ffn_up)")
     r.add_argument("--auto-c", type=float, default=None,
                    help="the damping of the auto rule, with and without rotations "
                         "(bakron.factors.AUTO_DAMP_OUT and AUTO_DAMP_OUT_ROTATED)")
@@ -231,10 +290,15 @@ def main(argv=None):
                    help="square solver tiles (default 16, the command's)")
     r.add_argument("--heldout-seed", type=int, default=1000)
     r.add_argument("--deadline", type=float, default=1e9, help="seconds; then stop starting runs")
+    r.add_argument("--host", default=None,
+                   help="a note on the machine kept in each row (its wall time is then not "
+                        "shown in the table)")
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
+    t = sub.add_parser("pool", help="the rotation seeds of each setting pooled")
+    t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
-    {"run": run, "table": table}[args.cmd](args)
+    {"run": run, "table": table, "pool": pool}[args.cmd](args)
 
 
 if __name__ == "__main__":
