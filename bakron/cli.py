@@ -51,6 +51,7 @@ EXIT_INTERRUPTED = 130
 DEFAULT_DEMO_OUT = "bakron-demo"
 QM_FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
 QM_FACTORS = ("rtn", "input", "global", "input+global-out")
+QM_CALIB_SEQS = 96   # bakron.quantize_model.CALIB_SEQS (a test holds them equal)
 REPORT_NAME = "report.json"
 #: layers with at least this many weights get progress lines inside the layer (factor
 #: preparation, solve, proxy errors)
@@ -328,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--factors", choices=QM_FACTORS, default="global",
                     help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in; "
                          "global: two-sided with both K-FAC factors of the KL-Fisher (default: "
-                         "0.88-0.89x input's KL on SmolLM2, docs/llm.md); input+global-out: "
+                         "0.85-0.86x input's KL on SmolLM2, docs/llm.md); input+global-out: "
                          "local H_in with the global H_out")
     qm.add_argument("--calib", default="generated+docs",
                     metavar="FILE|generated+docs|builtin|generated",
@@ -339,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "file, one document per paragraph")
     cs = qm.add_mutually_exclusive_group()
     cs.add_argument("--calib-seqs", type=_positive_int, default=None, metavar="N",
-                    help="calibration sequences (default 32)")
+                    help=f"calibration sequences (default {QM_CALIB_SEQS})")
     cs.add_argument("--calib-tokens", type=_positive_int, default=None, metavar="N",
                     help="calibration tokens, rounded up to whole sequences of --calib-len "
                          "(instead of --calib-seqs); the Hessian passes' time is predicted "
@@ -580,10 +581,11 @@ def _cmd_demo(args) -> int:
 # -- quantize-model --------------------------------------------------------------------------
 
 def _calib_seqs(args) -> int:
-    """--calib-seqs, or --calib-tokens in whole sequences of --calib-len (default 32)."""
+    """--calib-seqs, or --calib-tokens in whole sequences of --calib-len (default
+    :data:`bakron.quantize_model.CALIB_SEQS`)."""
     if args.calib_tokens is not None:
         return -(-args.calib_tokens // args.calib_len)
-    return 32 if args.calib_seqs is None else args.calib_seqs
+    return QM_CALIB_SEQS if args.calib_seqs is None else args.calib_seqs
 
 
 def _cmd_quantize_model(args) -> int:

@@ -1,11 +1,14 @@
 """The cost model of the Hessian passes (bakron.hessian.cost) and --calib-tokens."""
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
 import bakron.hessian as bh
 from bakron.hessian import cost
+from bakron.quantize_model import CALIB_SEQS, quantize_model
 
 
 def _mlp(sizes, seed=0):
@@ -68,7 +71,8 @@ def test_calib_tokens_round_up_to_whole_sequences():
                       "1000", "--calib-len", "128"])
     assert cli._calib_seqs(a) == 8
     a = p.parse_args(["quantize-model", "smollm2", "--out", "x.gguf"])
-    assert cli._calib_seqs(a) == 32
+    default = inspect.signature(quantize_model).parameters["calib_seqs"].default
+    assert cli._calib_seqs(a) == default == CALIB_SEQS   # the command's is the library's
     with pytest.raises(cli.UsageError, match="not allowed with"):
         p.parse_args(["quantize-model", "smollm2", "--out", "x.gguf", "--calib-tokens", "10",
                       "--calib-seqs", "2"])
