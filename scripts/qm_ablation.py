@@ -159,7 +159,8 @@ def pool(args):
     the same seed, with its delta-method standard error; the range is that of the single
     seeds' ratios; the KLs are the seeds' means. Settings are those of :func:`run` but the
     seed (``--factors global`` with ``--damp-out auto`` and one label draw, K-FAC)."""
-    rows = [r for r in _rows(args.results) if r["incoherence"] >= 0]
+    rows = [r for r in _rows(args.results) if r["incoherence"] >= 0
+            and (args.calib is None or r["calib"] == args.calib)]
     key = (lambda r: (r.get("format", "float"), r["calib"], r["tokens"], r["bits"],
                       r.get("tile", 16)))
     two = {}
@@ -167,7 +168,8 @@ def pool(args):
     for r in rows:
         if (r["factors"] == "global" and r["labels"] == "sample" and r["refine"] == 0
                 and r.get("shrink_out", "auto") == "auto" and (key(r), r["incoherence"]) in one):
-            two.setdefault((key(r), r["rule"]), []).append(r)
+            if args.rule is None or r["rule"] == args.rule:
+                two.setdefault((key(r), r["rule"]), []).append(r)
     print("| calibration | tokens | bits | tile | H_out | seeds | "
           + " | ".join(f"{k} KL, input / global | ÷ input ± s.e. (range)" for k in TEXTS)
           + " |")
@@ -297,6 +299,8 @@ def main(argv=None):
     t.add_argument("results", nargs="+")
     t = sub.add_parser("pool", help="the rotation seeds of each setting pooled")
     t.add_argument("results", nargs="+")
+    t.add_argument("--calib", default=None, help="only this calibration")
+    t.add_argument("--rule", default=None, help="only this auto rule (e.g. 'damp 3')")
     args = p.parse_args(argv)
     {"run": run, "table": table, "pool": pool}[args.cmd](args)
 
