@@ -74,15 +74,15 @@ __all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_s
 
 FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
 FACTORS = ("rtn", "input", "global", "input+global-out")
-#: calibration sequences per Hessian batch on a GPU: on an H200 a SmolLM2 K-FAC pass ran at
-#: about 2,900 tokens/s with batches of 8 sequences of 128 tokens and 18,700 with 128
-#: (docs/benchmarks/hessian-gpu.md); 256 x 128 tokens plan about 7 GB
 #: calibration sequences of ``calib_len`` tokens by default (12,288 tokens of 128): on
 #: SmolLM2 the KL on model-sampled text fell from 4,096 to 8,192 to 12,288 tokens for one-
 #: and two-sided rounding alike, 16,384 were about level with 12,288, and a first run (the
 #: text sampled, then cached) of 12,288 stays within 1.5x the command's earlier time
 #: (docs/llm.md, "Calibration size")
 CALIB_SEQS = 96
+#: calibration sequences per Hessian batch on a GPU: on an H200 a SmolLM2 K-FAC pass ran at
+#: about 2,900 tokens/s with batches of 8 sequences of 128 tokens and 18,700 with 128
+#: (docs/benchmarks/hessian-gpu.md); 256 x 128 tokens plan about 7 GB
 GPU_BATCH_SIZE = 256
 #: sequences generated together on a GPU (a step's cost hardly grows with the batch)
 GPU_GENERATE_BATCH = 1024
