@@ -147,9 +147,17 @@ def ratio(a, b):
 
 
 def _rows(paths):
+    """The rows of the result files, with the defaults of rows from before an option."""
     rows = []
     for f in paths:
         rows += json.loads(Path(f).read_text())
+    for r in rows:
+        r.setdefault("format", "float")
+        r.setdefault("shrink_out", "auto")
+        r.setdefault("damp_out", 0.01)
+        r.setdefault("refine", 1)   # (rows from before the option: one step)
+        r.setdefault("rule", None)
+        r.setdefault("tile", 16)   # (rows from before the option: the command's tiles)
     return rows
 
 
@@ -161,13 +169,12 @@ def pool(args):
     seed (``--factors global`` with ``--damp-out auto`` and one label draw, K-FAC)."""
     rows = [r for r in _rows(args.results) if r["incoherence"] >= 0
             and (args.calib is None or r["calib"] == args.calib)]
-    key = (lambda r: (r.get("format", "float"), r["calib"], r["tokens"], r["bits"],
-                      r.get("tile", 16)))
+    key = (lambda r: (r["format"], r["calib"], r["tokens"], r["bits"], r["tile"]))
     two = {}
     one = {(key(r), r["incoherence"]): r for r in rows if r["factors"] == "input"}
     for r in rows:
         if (r["factors"] == "global" and r["labels"] == "sample" and r["refine"] == 0
-                and r.get("shrink_out", "auto") == "auto" and (key(r), r["incoherence"]) in one):
+                and r["shrink_out"] == "auto" and (key(r), r["incoherence"]) in one):
             if args.rule is None or r["rule"] == args.rule:
                 two.setdefault((key(r), r["rule"]), []).append(r)
     print("| calibration | tokens | bits | tile | H_out | seeds | "
@@ -202,14 +209,6 @@ def table(args):
                                       r["incoherence"], r["tile"], "input"):
                 return q
         return None
-
-    for r in rows:
-        r.setdefault("format", "float")
-        r.setdefault("shrink_out", "auto")
-        r.setdefault("damp_out", 0.01)
-        r.setdefault("refine", 1)   # (rows from before the option: one step)
-        r.setdefault("rule", None)
-        r.setdefault("tile", 16)   # (rows from before the option: the command's tiles)
 
     def regularisation(r):
         if r["factors"] in ("rtn", "input"):   # no H_out
