@@ -103,7 +103,8 @@ def main(argv=None):
     original = {"perplexity": float(np.exp(nll / n)), "tokens": n,
                 "seconds": time.perf_counter() - t}
     res = {"heldout": source, "heldout_tokens": original["tokens"], "original": original,
-           "calib": a.calib, "calib_seqs": a.calib_seqs, "calib_len": a.calib_len, "cpus": os.cpu_count(),
+           "calib": a.calib, "calib_seqs": a.calib_seqs, "calib_len": a.calib_len,
+           "cpus": os.cpu_count(),
            "device": a.device, "gpus": a.gpus, "scheduler": a.scheduler, "methods": {}}
     print(f"original: {original}", flush=True)
     for factors in a.factors.split(","):
