@@ -309,9 +309,9 @@ def _source_tensors(kind, src) -> dict:
     """``{tensor name (GGUF spelling): stored type}`` of the source's files, from their
     headers (no tensor data is read)."""
     if kind == "gguf":
-        from gguf import GGUFReader
+        from .models.llm.gguf_header import read_header, type_name
 
-        return {t.name: t.tensor_type.name for t in GGUFReader(str(src), "r").tensors}
+        return {t.name: type_name(t) for t in read_header(src).tensors}
     from . import _safetensors
     from .models.llm.hf_folder import _shards, gguf_name
 

@@ -34,9 +34,9 @@ def check_tensor_names(path, names=None) -> None:
     from ..models.llm.hf_folder import hf_name
 
     if names is None:
-        from gguf import GGUFReader
+        from ..models.llm.gguf_header import read_header
 
-        names = [t.name for t in GGUFReader(str(path), "r").tensors]
+        names = [t.name for t in read_header(path).tensors]
     for name in names:
         try:
             hf_name(name)
@@ -48,22 +48,22 @@ def check_tensor_names(path, names=None) -> None:
 def _hf_tensors(path, model):
     """{Hugging Face name: (array, safetensors dtype)} of the GGUF ``path`` read as
     ``model`` (:func:`~bakron.models.llm.gguf_file.read_gguf`'s result)."""
-    from gguf import GGUFReader
-
     from ..models.llm.gguf_file import unpermute_rows
+    from ..models.llm.gguf_header import read_header, type_name
     from ..models.llm.hf_folder import hf_name
 
     cfg = model.config
     out = {}
-    tensors = GGUFReader(str(path), "r").tensors
+    tensors = read_header(path).tensors
     check_tensor_names(path, [t.name for t in tensors])
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     for t in tensors:
         name = hf_name(t.name)
-        kind = t.tensor_type.name
+        kind = type_name(t)
         if kind in _FLOAT_TYPES:
             dtype, np_type = _FLOAT_TYPES[kind]
-            raw = np.asarray(t.data)
-            a = raw.view(np.uint16) if kind == "BF16" else raw.astype(np_type, copy=False)
+            raw = data[t.start:t.start + t.nbytes]
+            a = raw.view(np.uint16) if kind == "BF16" else raw.view(np_type)
             a = a.reshape(model.weights[t.name].shape)
         else:   # quantized: the values the loader de-quantized (float32)
             dtype, a = "F32", model.weights[t.name]

@@ -28,7 +28,7 @@ import numpy as np
 
 from .schema import ModelFileError
 
-__all__ = ["GGUFTensor", "GGUFHeader", "read_header", "MAX_TENSORS", "MAX_KV"]
+__all__ = ["GGUFTensor", "GGUFHeader", "read_header", "type_name", "MAX_TENSORS", "MAX_KV"]
 
 #: the most tensors and metadata entries a header may declare
 MAX_TENSORS = 1 << 20
@@ -134,6 +134,14 @@ def _ggml_sizes():
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     return {int(t): GGML_QUANT_SIZES[t] for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
+
+
+def type_name(t: GGUFTensor) -> str:
+    """The ``gguf`` package's name of the tensor's stored type (``"F32"``, ``"Q4_0"``, ...);
+    :func:`read_header` has checked that the type is one it knows."""
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(t.ggml_type).name
 
 
 def read_header(path, source: str | None = None) -> GGUFHeader:
