@@ -378,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per-sequence refinement steps of the global factors after their "
                          "K-FAC pass, two more Hessian passes each (default 0: the K-FAC "
                          "factors)")
+    qm.add_argument("--blas-threads", type=_count, default=1, metavar="N",
+                    help="BLAS threads of the Hessian passes and the solves on the CPU "
+                         "(default 1, the faster setting on a 2-core machine; 0: the BLAS "
+                         "library's own default)")
     qm.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
                     help="where the model and the solves run (default cpu, gpu with --gpus; "
                          "auto uses a GPU when cupy sees one)")
@@ -624,6 +628,7 @@ def _cmd_quantize_model(args) -> int:
                                 progress=not args.quiet,
                                 scheduler=args.scheduler, gpus=args.gpus,
                                 incoherence=args.incoherence,
+                                blas_threads=args.blas_threads or None,
                                 **({} if args.refine is None
                                    else {"refine_iters": args.refine}))
     except ClusterUnavailable as exc:

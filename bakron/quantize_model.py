@@ -506,7 +506,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                    progress: bool = True, keep_weights: bool = False,
                    scheduler: str | None = None, gpus: int | None = None, client=None,
                    retries: int = 2, _after_layer=None, incoherence="auto",
-                   refine_iters: int = 0) -> dict:
+                   refine_iters: int = 0, blas_threads: int | None = 1) -> dict:
     """Quantize every linear layer of a causal LM and write the export ``out``.
 
     Parameters
@@ -599,6 +599,13 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         (docs/llm.md, "The whole model through quantize-model"). Ignored by ``factors="rtn"``
         and ``"input"``.
 
+    blas_threads : int or None
+        BLAS threads during the Hessian passes and the solves on the CPU (through
+        ``threadpoolctl`` when it is installed; a process-wide setting for the duration).
+        Default 1, as the demo's: on the 2-core benchmark machine one thread made the
+        default 3-bit run 13 % faster than two (docs/hessian.md, "Speed"). ``None`` leaves
+        the library's default. Ignored on a GPU.
+
     Returns a dict: ``out``, ``layers`` (per layer: seconds, resumed), ``seconds`` (per
     phase), ``resumed`` (layers found in the work folder), ``calibration``.
 
@@ -636,6 +643,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     incoherence = _incoherence_seed(incoherence, fmt, factors)
     retries = _checked(check_int, retries, "retries", minimum=0)
     refine_iters = _checked(check_int, refine_iters, "refine_iters", minimum=0)
+    if blas_threads is not None:
+        blas_threads = _checked(check_int, blas_threads, "blas_threads", minimum=1)
     if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__") or len(tile) != 2:
         raise InputError(f"tile must be a pair of positive integers (tx, ty), got {tile!r}")
     tile = tuple(_checked(check_int, t, "tile", minimum=1, what="a pair of positive integers")
@@ -686,7 +695,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         solves = DaskLayerSolves.connect(scheduler=scheduler, gpus=gpus, client=client,
                                          retries=retries, device=device)
     try:
-        from .demo._common import namespace
+        from .demo._common import blas_limit, namespace
         from .models import load_llm
 
         xp, dev = namespace(device)
@@ -842,8 +851,10 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                     for name in todo:
                         finish(name, None, None)
                 elif todo:
-                    report = _collect(lm, xp, seqs, todo, factors, options, memory_budget,
-                                      batch_size, finish, progress=progress)
+                    with blas_limit(blas_threads if on_cpu else None):
+                        report = _collect(lm, xp, seqs, todo, factors, options,
+                                          memory_budget, batch_size, finish,
+                                          progress=progress)
                 if solves is not None:
                     solves.wait()   # every submitted solve published (or the first error)
             finally:

@@ -399,6 +399,31 @@ def test_label_estimator_changes_only_the_global_out_factor(models, tmp_path):
     assert not (tmp_path / "e").exists()
 
 
+def test_blas_threads_limit_the_solves(models, tmp_path):
+    """``blas_threads`` limits BLAS while the layers are collected and solved (read inside
+    the run through threadpoolctl), the limit is lifted afterwards, and a count below 1 is an
+    InputError naming it (nothing written)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def blas_threads():
+        return {i["num_threads"] for i in threadpoolctl.threadpool_info()
+                if i["user_api"] == "blas"}
+
+    seen = []
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        before = blas_threads()
+        if before != {2}:
+            pytest.skip(f"BLAS does not run two threads here ({before})")
+        quantize_model(models / "tiny.gguf", tmp_path / "a", factors="global", fmt="float",
+                       bits=4, group_size=32, blas_threads=1,
+                       _after_layer=lambda name: seen.append(blas_threads()), **FAST)
+        assert seen and all(s == {1} for s in seen)
+        assert blas_threads() == before
+    with pytest.raises(InputError, match="blas_threads"):
+        quantize_model(models / "tiny.gguf", tmp_path / "b", blas_threads=0, **FAST)
+    assert not (tmp_path / "b").exists()
+
+
 def test_refinement_steps_of_the_global_factors(models, tmp_path):
     """``refine_iters=0`` rounds with the K-FAC factors, whose ``H_in`` is the local one: with
     ``H_out`` reduced to its diagonal and tiles of 1 x 1, ``global`` then gives the one-sided
