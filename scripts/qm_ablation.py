@@ -164,17 +164,20 @@ def _rows(paths):
 def pool(args):
     """One line per setting with rotations: the rotation seeds pooled. Each text's ratio is
     that of the mean KLs over every (seed, text) pair, paired with ``--factors input`` of
-    the same seed, with its delta-method standard error; the range is that of the single
-    seeds' ratios; the KLs are the seeds' means. Settings are those of :func:`run` but the
+    the same seed on the same machine (``host``; a run without its pair is left out), with
+    its delta-method standard error; the range is that of the single seeds' ratios; the
+    KLs are the seeds' means. Settings are those of :func:`run` but the
     seed (``--factors global`` with ``--damp-out auto`` and one label draw, K-FAC)."""
     rows = [r for r in _rows(args.results) if r["incoherence"] >= 0
             and (args.calib is None or r["calib"] == args.calib)]
     key = (lambda r: (r["format"], r["calib"], r["tokens"], r["bits"], r["tile"]))
     two = {}
-    one = {(key(r), r["incoherence"]): r for r in rows if r["factors"] == "input"}
+    one = {(key(r), r["incoherence"], r.get("host")): r for r in rows
+           if r["factors"] == "input"}
     for r in rows:
         if (r["factors"] == "global" and r["labels"] == "sample" and r["refine"] == 0
-                and r["shrink_out"] == "auto" and (key(r), r["incoherence"]) in one):
+                and r["shrink_out"] == "auto"
+                and (key(r), r["incoherence"], r.get("host")) in one):
             if args.rule is None or r["rule"] == args.rule:
                 two.setdefault((key(r), r["rule"]), []).append(r)
     print("| calibration | tokens | bits | tile | H_out | seeds | "
@@ -183,7 +186,7 @@ def pool(args):
     print("|---" * (6 + 2 * len(TEXTS)) + "|")
     for (k, rule), runs in sorted(two.items()):
         runs = sorted(runs, key=lambda r: r["incoherence"])
-        base = [one[(k, r["incoherence"])] for r in runs]
+        base = [one[(k, r["incoherence"], r.get("host"))] for r in runs]
         cells = []
         for t in TEXTS:
             a = [x for r in runs for x in r[f"{t}_kl_per_text"]]
