@@ -51,7 +51,7 @@ EXIT_INTERRUPTED = 130
 DEFAULT_DEMO_OUT = "bakron-demo"
 QM_FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
 QM_FACTORS = ("rtn", "input", "global", "input+global-out")
-QM_CALIB_SEQS = 96   # bakron.quantize_model.CALIB_SEQS (a test holds them equal)
+QM_CALIB_SEQS = 128   # bakron.quantize_model.CALIB_SEQS (a test holds them equal)
 REPORT_NAME = "report.json"
 #: layers with at least this many weights get progress lines inside the layer (factor
 #: preparation, solve, proxy errors)

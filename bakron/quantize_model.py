@@ -74,12 +74,12 @@ __all__ = ["FORMATS", "FACTORS", "quantize_model", "work_folder", "calibration_s
 
 FORMATS = ("gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float")
 FACTORS = ("rtn", "input", "global", "input+global-out")
-#: calibration sequences of ``calib_len`` tokens by default (12,288 tokens of 128): on
+#: calibration sequences of ``calib_len`` tokens by default (16,384 tokens of 128): on
 #: SmolLM2 the KL on model-sampled text fell from 4,096 to 8,192 to 12,288 tokens for one-
-#: and two-sided rounding alike, 16,384 were about level with 12,288, and a first run (the
-#: text sampled, then cached) of 12,288 stays within 1.5x the command's earlier time
-#: (docs/llm.md, "Calibration size")
-CALIB_SEQS = 96
+#: and two-sided rounding alike, and 16,384 was lower than 12,288 again for two-sided
+#: rounding (by 2-3 %, ten rotation seeds); a first run (the text sampled, then cached)
+#: stays within 1.5x the command's earlier time (docs/llm.md, "Calibration size")
+CALIB_SEQS = 128
 #: calibration sequences per Hessian batch on a GPU: on an H200 a SmolLM2 K-FAC pass ran at
 #: about 2,900 tokens/s with batches of 8 sequences of 128 tokens and 18,700 with 128
 #: (docs/benchmarks/hessian-gpu.md); 256 x 128 tokens plan about 7 GB
@@ -521,10 +521,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
     fmt : {"gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float"}
     factors : {"rtn", "input", "global", "input+global-out"}
         Default ``"global"`` (two-sided, K-FAC factors, ``H_out`` regularised by
-        ``damp_out="auto"``): on SmolLM2 (``fmt="float"``, the other defaults) it gave 0.86x
-        and 0.85x the KL of ``"input"`` (one-sided LDLQ) at 3 and 4 bits on text sampled
-        from the model, the calibration-side criterion it was chosen by (docs/llm.md, "The
-        whole model through quantize-model", where its figures on held-out text are too).
+        ``damp_out="auto"``): on SmolLM2 (``fmt="float"``, the other defaults) it gave 0.85x
+        and 0.86x the KL of ``"input"`` (one-sided LDLQ) at 3 and 4 bits on text sampled
+        from the model (ten rotation seeds), the calibration-side criterion it was chosen
+        by (docs/llm.md, "The whole model through quantize-model", where its figures on
+        held-out text are too).
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
         of 128, symmetric. The GGUF formats fix their grid (giving another is an error).
@@ -539,7 +540,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         (docs/llm.md, "The whole model through quantize-model").
     calib_seqs, calib_len
         Number and length (tokens) of the calibration sequences (default :data:`CALIB_SEQS`
-        = 96 of 128 tokens).
+        = 128 of 128 tokens).
     memory_budget : int, optional
         Working-memory budget (bytes) of :func:`bakron.hessian.global_factors` (the
         recursive checkpointing); ``None`` stores every activation.
