@@ -696,7 +696,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         solves = DaskLayerSolves.connect(scheduler=scheduler, gpus=gpus, client=client,
                                          retries=retries, device=device)
     try:
-        from .demo._common import blas_limit, namespace
+        from ._lib.threads import blas_limit
+        from .demo._common import namespace
         from .models import load_llm
 
         xp, dev = namespace(device)

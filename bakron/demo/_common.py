@@ -36,23 +36,16 @@ def namespace(device: str):
 
 @contextlib.contextmanager
 def blas_limit(threads):
-    """Limit BLAS threads inside the block (threadpoolctl when installed, else a no-op)."""
-    if threads is None:
-        yield "library default"
-        return
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    """:func:`bakron._lib.threads.blas_limit`, yielding a description for the reports."""
+    from .._lib.threads import blas_limit as limit
+
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
         raise ValueError(f"blas_threads must be a positive integer or None, got {threads!r}")
-    try:
-        from threadpoolctl import threadpool_limits
-        try:  # load scipy's own BLAS now (numba's compiled code calls it) so it is limited too
-            import scipy.linalg  # noqa: F401
-        except Exception:  # noqa: BLE001 - a missing or broken scipy only loses the limit
-            pass
-    except ImportError:
-        yield "library default (threadpoolctl is not installed)"
-        return
-    with threadpool_limits(limits=threads, user_api="blas"):
-        yield f"{threads} (threadpoolctl)"
+    with limit(threads) as applied:
+        yield ("library default" if threads is None
+               else f"{applied} (threadpoolctl)" if applied is not None
+               else "library default (threadpoolctl is not installed)")
 
 
 class PeakMemory:

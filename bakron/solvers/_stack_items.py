@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 from .. import _xp
 
-__all__ = ["ItemRunner", "blas_threads", "cores", "engine_check", "solve_item"]
+__all__ = ["ItemRunner", "cores", "engine_check", "solve_item"]
 
 
 def cores() -> int:
@@ -24,22 +24,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
-
-
-@contextmanager
-def blas_threads(n: int | None):
-    """Limit BLAS to ``n`` threads inside the block (threadpoolctl; a process-wide setting).
-    Yields the limit applied, or ``None`` when nothing was changed."""
-    if n is None:
-        yield None
-        return
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield None
-        return
-    with threadpool_limits(limits=n, user_api="blas"):
-        yield n
 
 
 def engine_check(solvers, xp, chunk, engine: str, return_targets: bool) -> dict:
