@@ -8,18 +8,18 @@ __all__ = ["blas_limit"]
 
 
 @contextmanager
-def blas_limit(threads: int | None):
+def blas_limit(threads: int | None, name: str = "threads"):
     """Limit BLAS to ``threads`` threads inside the block (``threadpoolctl``; a process-wide
     setting, restored on exit). Yields the limit applied, or ``None`` when nothing was
     changed: ``threads`` is ``None``, or ``threadpoolctl`` is not installed. scipy's own BLAS
     is loaded first (compiled numba code calls it) so that the limit covers it too.
 
-    Raises ``ValueError`` for a ``threads`` that is not a positive integer."""
+    Raises ``ValueError`` naming ``name`` for a ``threads`` that is not a positive integer."""
     if threads is None:
         yield None
         return
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"BLAS threads must be a positive integer or None, got {threads!r}")
+        raise ValueError(f"{name} must be a positive integer or None, got {threads!r}")
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:

@@ -39,10 +39,7 @@ def blas_limit(threads):
     """:func:`bakron._lib.threads.blas_limit`, yielding a description for the reports."""
     from .._lib.threads import blas_limit as limit
 
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                or threads < 1):
-        raise ValueError(f"blas_threads must be a positive integer or None, got {threads!r}")
-    with limit(threads) as applied:
+    with limit(threads, "blas_threads") as applied:
         yield ("library default" if threads is None
                else f"{applied} (threadpoolctl)" if applied is not None
                else "library default (threadpoolctl is not installed)")

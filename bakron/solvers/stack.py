@@ -41,7 +41,7 @@ from . import _execute as solvers  # the single-layer solve's engine choice and 
 from ._execute import METHODS, SolveResult
 from .engines import COUNT_NONFINITE, SOLVE_STACK, STACK_CHECKS, STACK_THREADS, offers
 from .options import as_options
-from .._lib.threads import blas_limit as blas_threads
+from .._lib.threads import blas_limit
 from ._stack_items import ItemRunner, cores, engine_check
 
 __all__ = ["solve_stack", "StackChunk", "stack_shape"]
@@ -434,7 +434,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
                           threads, engines)
     paths = []
     _xp.sync(xp)
-    with blas_threads(threads) as blas_limit:
+    with blas_limit(threads) as blas_applied:
         for start in range(0, B, chunk_items):
             stop = min(B, start + chunk_items)
             chunk = StackChunk(start, stop, W_flat, A_out_flat, A_in_flat, w_idx, out_idx,
@@ -463,7 +463,7 @@ def solve_stack(W, A_out, A_in, quantizer, *, tile=(16, 16), method: str = "auto
     info["stack"] = {
         "shape": stack, "items": B, "chunks": -(-B // chunk_items), "chunk_items": chunk_items,
         "budget_bytes": budget, "path": ", ".join(sorted(set(paths))), "workers": workers,
-        "threads_per_worker": threads, "blas_threads": blas_limit, "cores": n_cores,
+        "threads_per_worker": threads, "blas_threads": blas_applied, "cores": n_cores,
         "workers_by": chosen_by,
     }
     return SolveResult(values=xp.reshape(values, shape),
