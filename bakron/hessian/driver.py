@@ -18,7 +18,9 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import _xp
@@ -26,6 +28,7 @@ from .._validate import check_finite
 from .accumulate import (FactorAccumulator, frobenius_sq, gram_buffer, sequence_mix,
                          token_quadratic)
 from .checkpoint import SCHEDULES, bisection_slots, split_point
+from .crossfit import crossfit
 from .progress import Progress, progress_bar
 from .stages import HeadContext, is_head, stage_label
 
@@ -667,16 +670,24 @@ def _token_masks(xp, first, batches):
 # --------------------------------------------------------------------------------------------
 # the public driver
 # --------------------------------------------------------------------------------------------
+def _check_out_estimator(out_estimator):
+    if out_estimator not in ("mean", "crossfit"):
+        raise ValueError(f"out_estimator must be 'mean' or 'crossfit', got {out_estimator!r}")
+
+
 def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
-                snapshots=None, accum_dtype=None, layers=None) -> dict:
-    """What :func:`global_factors` would run, without running it.
+                snapshots=None, accum_dtype=None, layers=None, out_estimator="mean") -> dict:
+    """What :func:`global_factors` would run, without running it (``out_estimator``: as
+    there; a cross-fitted ``H_out`` needs a second buffer).
 
     Returns ``{"leaves": [(start, stop, schedule, snapshots), ...], "splits": [(start, stop,
     cut, schedule, snapshots), ...], "planned_peak_bytes": int}`` in execution order; raises
     the same errors (shapes, budget too small) as :func:`global_factors`.
     """
+    _check_out_estimator(out_estimator)
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, None, "token", 0, layers)
+                 accum_dtype, None, "token", 0, layers,
+                 out_copies=2 if out_estimator == "crossfit" else 1)
     nodes = list(_walk(P["plan"]))
     return {"leaves": [(n.start, n.stop, n.schedule, n.snapshots) for n in nodes
                        if isinstance(n, _Leaf)],
@@ -686,7 +697,8 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
 
 
 def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-             accum_dtype, weights, refine, refine_iters, layers=None, products=None):
+             accum_dtype, weights, refine, refine_iters, layers=None, products=None,
+             out_copies=1):
     stages = list(stages)
     if len(stages) < 2 or not is_head(stages[-1]):
         raise ValueError("stages must be a list of stages ending with a head (e.g. "
@@ -814,8 +826,9 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     tokens = sum(batch_tokens)
     batch_tokens = list(itertools.accumulate(batch_tokens))   # done after batch k
     sizes = [max(bs[l] for bs in batch_sizes) for l in range(len(body) + 1)]
-    buf = [sum((layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item for n in names)
-           for names in names_at]
+    # (a crossfitted H_out is summed in two halves: out_copies m x m buffers)
+    buf = [sum((out_copies * layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item
+               for n in names) for names in names_at]
     tapes = None   # a stage's tape: kept for its VJP where that follows its evaluation
     draws = _head_draws(head)
     if any(_keeps_tape(st, draws) for st in body):
@@ -835,7 +848,7 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
 def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
                    checkpoint="auto", snapshots=None, refine_iters=0, refine="token", seed=0,
                    weights=None, accum_dtype=None, check_finite=True, sink=None, layers=None,
-                   kfac_sink=None, products=None, progress=None):
+                   kfac_sink=None, products=None, progress=None, out_estimator="mean"):
     """Kronecker factors ``(H_in, H_out)`` of the Fisher for every linear layer of a chain.
 
     Parameters
@@ -895,6 +908,15 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         of each layer before they are refined (``H_in`` is then the local ``E[x xᵀ]``), so
         that one run gives both (no extra pass). Not called without refinement.
 
+    out_estimator : {"mean", "crossfit"}
+        ``"mean"``: the K-FAC ``H_out``, the mean over every row. ``"crossfit"``: the rows of
+        the even and of the odd batches are summed apart (one more ``m x m`` buffer per
+        layer, counted in the budget) and combined by
+        :func:`~bakron.hessian.crossfit.crossfit`: each half's eigenvectors with eigenvalues
+        measured on the other half, which does not underestimate the factor's small
+        directions as the mean does. Refinement steps start from it. With one batch it is
+        the mean. On the CPU the layers' eigendecompositions run two at a time.
+
     Returns
     -------
     factors : dict
@@ -904,8 +926,10 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         Passes, stage evaluations, VJPs, peak bytes by kind, the plan's leaf ranges.
     """
     t0 = time.perf_counter()
+    _check_out_estimator(out_estimator)
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, weights, refine, refine_iters, layers, products)
+                 accum_dtype, weights, refine, refine_iters, layers, products,
+                 out_copies=2 if out_estimator == "crossfit" else 1)
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
@@ -916,6 +940,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
     run.kfac_sink = kfac_sink
+    run.out_split = out_estimator == "crossfit"
     run.progress, close = progress_bar(progress)
     run.passes = sum(1 if isinstance(nd, _Split) else 1 + 2 * int(refine_iters)
                      for nd in _walk(P["plan"]) if not isinstance(nd, _Skip))
@@ -945,7 +970,44 @@ class _Run:
         self.h_cache, self.d_cache = {}, {}
         self.results = {}
         self.kfac_sink = None
+        self.out_split = False
         self.progress, self.passes, self.t0 = None, 0, time.perf_counter()
+
+    def _crossfit_all(self, names, accs, emit=None) -> dict:
+        """``{name: (H_in, crossfitted H_out)}`` of the K-FAC accumulators ``accs`` (popped),
+        in the products' precision; on the CPU two layers at a time (numpy's LAPACK and BLAS
+        release the GIL: the eigendecompositions are most of the work, and a pass under a
+        one-thread BLAS limit leaves the other cores idle). With ``emit``, each layer is
+        handed to ``emit(name, H_in, H_out)`` in order as soon as it is ready (the caller's
+        solve of one layer overlaps the next ones' eigendecompositions) and left out of the
+        returned dict."""
+        xp, dtype = self.xp, self.P["products"]
+
+        def one(acc):
+            H_in = acc[0].finish()
+            wa, wb = acc[1].weight, acc[2].weight
+            if wa == 0 or wb == 0:   # one batch (or one half weighted 0): nothing to measure
+                return H_in, (acc[2] if wa == 0 else acc[1]).finish()   # on: the mean
+            return H_in, crossfit(xp, acc[1].finish(), wa, acc[2].finish(), wb, dtype=dtype)
+
+        out = {}
+        workers = min(2, os.cpu_count() or 1) if _xp.is_numpy(xp) else 0
+        pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
+        try:
+            jobs = {n: (pool.submit(one, accs.pop(n)) if pool is not None else accs.pop(n))
+                    for n in names}
+            for n in names:
+                job = jobs.pop(n)
+                res = job.result() if pool is not None else one(job)
+                if emit is None:
+                    out[n] = res
+                else:
+                    emit(n, *res)
+                del job, res
+        finally:   # (after an error: drop what has not started)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        return out
 
     def _h(self, a, k):
         return self.P["batches"][k] if a == 0 else self.h_cache[a][k]
@@ -1054,7 +1116,8 @@ class _Run:
         owner = {n: i for i in range(a, b) for n in P["names_at"][i]}
         acc_dtype = P["acc_dtype"]
         dev = _xp.device(P["batches"][0])
-        nbuf = sum((P["layer_shapes"][n][0] ** 2 + P["layer_shapes"][n][1] ** 2)
+        nbuf = sum(((1 + self.out_split) * P["layer_shapes"][n][0] ** 2
+                    + P["layer_shapes"][n][1] ** 2)
                    * (xp.finfo(acc_dtype).bits // 8) for n in names)
         self.ledger.alloc("buf", nbuf, 0)
         current = {}
@@ -1087,6 +1150,7 @@ class _Run:
                                  f"{name!r}, which is {m} x {n}")
 
         steps = ["kfac"] + ["refine_out", "refine_in"] * self.iters
+        emitted = set()   # layers already handed to the sink
         for si, step in enumerate(steps):
             accs = {}
             # the factor a refinement step replaces holds the new sum (no fresh n x n memory
@@ -1097,6 +1161,8 @@ class _Run:
                     m_, n_ = P["layer_shapes"][n]
                     accs[n] = (FactorAccumulator(n_, xp=xp, dtype=acc_dtype, device=dev),
                                FactorAccumulator(m_, xp=xp, dtype=acc_dtype, device=dev))
+                    if self.out_split:   # H_out of the odd batches apart (crossfit)
+                        accs[n] += (FactorAccumulator(m_, xp=xp, dtype=acc_dtype, device=dev),)
             else:
                 for n in names:
                     H_in, H_out = current[n]
@@ -1156,8 +1222,8 @@ class _Run:
                     else:
                         _accs[name][0].add_product(*gram)
                     # H_out: the mean over the R rows of each position (weights repeated)
-                    _accs[name][1]._update(xp, g, w_tok, products=prod, check=chk,
-                                           out=out_buffer(m, False))
+                    _accs[name][2 if state["odd"] else 1]._update(
+                        xp, g, w_tok, products=prod, check=chk, out=out_buffer(m, False))
                     return
                 if not seq:
                     # x_tᵀ H x_t >= 0 for the positive semi-definite factor H; clamping the
@@ -1183,6 +1249,7 @@ class _Run:
                     _accs[name]._update_sequences(xp, X3, sequence_mix(xp, G3, H_out), w_seq)
 
             def on_batch(k):
+                state["odd"] = self.out_split and k % 2 == 1
                 state["w"], state["mask"] = P["weights"][k], P["masks"][k]
                 state["w_tok"], state["sel"] = self._batch_rows(k)
                 w_tok, R = state["w_tok"], self.eng.draws
@@ -1194,7 +1261,15 @@ class _Run:
             self.eng.vjp_done = lambda: state.__setitem__("shared", None)
             rec = SweepRecord(step, a, b, None, node.schedule, node.snapshots)
             self._sweep(rec, a, a, b, on_batch)
+            if step == "kfac" and self.out_split:
+                # (without refinement the layers are final: hand each on as it is ready)
+                emit = self.sink if not self.iters and self.sink is not None else None
+                done = self._crossfit_all(names, accs, emit)
+                current.update(done)
+                emitted = set(names) - set(done)
             for n in names:   # finalise layer by layer, dropping each accumulator at once
+                if step == "kfac" and (n in current or n in emitted):
+                    continue
                 acc = accs.pop(n)
                 if step == "kfac":
                     current[n] = (acc[0].finish(), acc[1].finish())
@@ -1211,6 +1286,8 @@ class _Run:
         self.eng.collect = None   # the closure holds this leaf's factors: let them go
         self.eng.vjp_done = None
         for n in names:
+            if n in emitted:
+                continue
             if self.sink is not None:
                 self.sink(n, *current[n])
             else:
