@@ -363,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="relative damping of the factors (default 0.01)")
     qm.add_argument("--damp-out", type=_damp_or_auto, default="auto", metavar="auto|D",
                     help="regularisation of a global H_out: auto (default) damps it toward "
-                         "the identity by 3 (its mean diagonal) for a rotated layer "
-                         "(--incoherence), by 1 otherwise (docs/hessian.md); a number is its "
+                         "the identity by 0.1 (its mean diagonal) for a rotated layer "
+                         "(--incoherence) with a cross-fitted H_out, by 3 for a rotated layer "
+                         "with the mean, by 1 otherwise (docs/hessian.md); a number is its "
                          "relative damping")
     qm.add_argument("--shrink-out", type=_fraction, default=None, metavar="S",
                     help="with a numeric --damp-out: shrink a global H_out toward its "
@@ -374,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="estimator of a global H_out: one sampled label per token (default), "
                          "K draws, the output Fisher from the K most probable labels, or the "
                          "next token (docs/hessian.md)")
+    qm.add_argument("--out-estimator", choices=("auto", "mean", "crossfit"), default="auto",
+                    help="how a global H_out is formed from the calibration tokens: mean (the "
+                         "K-FAC mean of all of them), crossfit (each half's eigenvectors with "
+                         "eigenvalues measured on the other half), auto (default: crossfit "
+                         "for rotated layers, mean otherwise; docs/hessian.md)")
     qm.add_argument("--refine", type=_count, default=None, metavar="N",
                     help="per-sequence refinement steps of the global factors after their "
                          "K-FAC pass, two more Hessian passes each (default 0: the K-FAC "
@@ -628,6 +634,7 @@ def _cmd_quantize_model(args) -> int:
                                 progress=not args.quiet,
                                 scheduler=args.scheduler, gpus=args.gpus,
                                 incoherence=args.incoherence,
+                                out_estimator=args.out_estimator,
                                 blas_threads=args.blas_threads or None,
                                 **({} if args.refine is None
                                    else {"refine_iters": args.refine}))

@@ -15,7 +15,7 @@ from ._validate import (check_damp, check_finite, check_int, check_matrix, check
 
 __all__ = ["block_ldl", "prepare_factor", "Factor", "NotPositiveDefiniteError", "check_shrink",
            "auto_regularization", "AUTO_DAMP_OUT",
-           "AUTO_DAMP_OUT_ROTATED"]
+           "AUTO_DAMP_OUT_ROTATED", "AUTO_DAMP_OUT_CROSSFIT"]
 
 
 class NotPositiveDefiniteError(ValueError):
@@ -231,29 +231,40 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
 AUTO_DAMP_OUT = 1.0
 #: the same for a layer rotated by incoherence processing (:mod:`bakron.incoherence`)
 AUTO_DAMP_OUT_ROTATED = 3.0
+#: the same for a rotated layer whose ``H_out`` is cross-fitted
+#: (:func:`bakron.hessian.crossfit.crossfit`)
+AUTO_DAMP_OUT_CROSSFIT = 0.1
 
 
-def auto_regularization(width: int, tokens: int, *,
-                        rotated: bool = False) -> tuple[float, float]:
+def auto_regularization(width: int, tokens: int, *, rotated: bool = False,
+                        estimator: str = "mean") -> tuple[float, float]:
     """``(shrink_out, damp_out)`` for a global ``H_out`` of ``width`` outputs estimated from
     ``tokens`` calibration tokens (K-FAC, one sampled label each): ``(0, AUTO_DAMP_OUT)``,
-    or ``(0, AUTO_DAMP_OUT_ROTATED)`` for a layer ``rotated`` by incoherence processing.
+    ``(0, AUTO_DAMP_OUT_ROTATED)`` for a layer ``rotated`` by incoherence processing, and
+    ``(0, AUTO_DAMP_OUT_CROSSFIT)`` for a rotated layer whose ``H_out`` was cross-fitted
+    (``estimator="crossfit"``, :func:`bakron.hessian.crossfit.crossfit`).
 
     The two-sided rounding puts its error in the directions that ``H_out`` calls cheap, and
     the K-FAC factor underestimates what errors there cost (docs/hessian.md, "Regularising
     H_out"). The rule damps ``H_out`` (normalised to mean diagonal 1) toward the identity,
     ``H_out + δ I``, and does not shrink it toward its diagonal. The constants were chosen
     by the KL of the whole quantized SmolLM2 on text sampled from the model with an unused
-    seed (never an evaluation text), at 4,096 calibration tokens: without rotations damping
-    1 was the best of 0.3, 1, 2 and 3 (and of two rules proportional to ``width / tokens``)
-    at 3 and 4 bits, and at 16,384 tokens 1 and 3 were level; with rotations 3 beat 1 at
-    both widths over three rotation seeds (and 0.3 on one). So the rule does not depend on
-    ``width`` or ``tokens`` at these sizes (both are checked and kept for the rule's
-    signature); larger calibrations were not measured.
+    seed (never an evaluation text): without rotations damping 1 was the best of 0.3, 1, 2
+    and 3 (and of two rules proportional to ``width / tokens``) at 3 and 4 bits (4,096
+    tokens); with rotations 3 beat 1 at both widths over three rotation seeds (and 0.3 on
+    one); a cross-fitted ``H_out`` no longer underestimates its small directions, and with
+    rotations 0.1 was the best of 3, 1, 0.3, 0.1 and 0.03 (16,384 tokens). So the rule does
+    not depend on ``width`` or ``tokens`` at these sizes (both are checked and kept for the
+    rule's signature); a cross-fitted factor without rotations was not measured and gets
+    the unrotated rule.
     """
     check_int(width, "width", minimum=1)
     check_int(tokens, "tokens", minimum=1)
-    return 0.0, AUTO_DAMP_OUT_ROTATED if rotated else AUTO_DAMP_OUT
+    if estimator not in ("mean", "crossfit"):
+        raise ValueError(f"estimator must be 'mean' or 'crossfit', got {estimator!r}")
+    if not rotated:
+        return 0.0, AUTO_DAMP_OUT
+    return 0.0, AUTO_DAMP_OUT_CROSSFIT if estimator == "crossfit" else AUTO_DAMP_OUT_ROTATED
 
 
 def check_shrink(shrink, name: str = "shrink") -> float:

@@ -176,7 +176,8 @@ def layer_damping(settings, H_out) -> dict:
         from .factors import auto_regularization
 
         kw["shrink_out"], kw["damp_out"] = auto_regularization(
-            H_out.shape[0], settings["tokens"], rotated=settings.get("rotated", False))
+            H_out.shape[0], settings["tokens"], rotated=settings.get("rotated", False),
+            estimator=settings.get("estimator", "mean"))
     else:
         kw["shrink_out"], kw["damp_out"] = settings["shrink_out"], settings["damp_out"]
     return kw

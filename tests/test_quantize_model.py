@@ -198,16 +198,23 @@ def test_output_factor_regularisation(models, tmp_path):
     """--damp-out auto (the default), a numeric --damp-out with --shrink-out, and
     --shrink-out 1 (H_out reduced to its diagonal) giving the one-sided codes (with tiles
     of 1 x 1: a tile's own rounding weighs its outputs by the diagonal of H_out)."""
-    kw = dict(fmt="float", sym=False, group_size=16, keep_weights=True, tile=(1, 1), **FAST)
+    # (two batches: the cross-fitted H_out of the rotated float default has two halves)
+    kw = dict(fmt="float", sym=False, group_size=16, keep_weights=True, tile=(1, 1),
+              batch_size=2, **FAST)
     auto = quantize_model(models / "hf32", tmp_path / "a", factors="input+global-out", **kw)
     plain = quantize_model(models / "hf32", tmp_path / "p", factors="input+global-out",
                            damp_out=0.01, **kw)
     diag = quantize_model(models / "hf32", tmp_path / "d", factors="input+global-out",
                           damp_out=0.01, shrink_out=1.0, **kw)
     one = quantize_model(models / "hf32", tmp_path / "o", factors="input", **kw)
-    # what auto stands for: damping 3 for the rotated layers of the float default, 1 without
+    # what auto stands for: a cross-fitted H_out damped by 0.1 for the rotated layers of the
+    # float default, the mean damped by 3 when asked for, 1 without rotations
     rule = quantize_model(models / "hf32", tmp_path / "r", factors="input+global-out",
-                          damp_out=3.0, shrink_out=0.0, **kw)
+                          damp_out=0.1, shrink_out=0.0, out_estimator="crossfit", **kw)
+    mean = quantize_model(models / "hf32", tmp_path / "m", factors="input+global-out",
+                          out_estimator="mean", **kw)
+    rule_mean = quantize_model(models / "hf32", tmp_path / "rm", factors="input+global-out",
+                               damp_out=3.0, shrink_out=0.0, out_estimator="mean", **kw)
     auto0 = quantize_model(models / "hf32", tmp_path / "a0", factors="input+global-out",
                            incoherence=None, **kw)
     rule0 = quantize_model(models / "hf32", tmp_path / "r0", factors="input+global-out",
@@ -215,15 +222,23 @@ def test_output_factor_regularisation(models, tmp_path):
     for name, W in one["weights"].items():
         assert np.array_equal(diag["weights"][name], W), name
         assert np.array_equal(rule["weights"][name], auto["weights"][name]), name
+        assert np.array_equal(rule_mean["weights"][name], mean["weights"][name]), name
         assert np.array_equal(rule0["weights"][name], auto0["weights"][name]), name
-    assert any(not np.array_equal(plain["weights"][n], auto["weights"][n])
-               for n in one["weights"])
+    for other in (plain, mean):
+        assert any(not np.array_equal(other["weights"][n], auto["weights"][n])
+                   for n in one["weights"])
     rc = main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "x"),
                "--format", "float", "--shrink-out", "0.5", "--quiet"])
     assert rc == 2 and not (tmp_path / "x").exists()   # shrink-out needs a numeric damp-out
     rc = main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "y"),
                "--format", "float", "--damp-out", "-1", "--quiet"])
     assert rc == 2
+    rc = main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "z"),
+               "--format", "float", "--out-estimator", "median", "--quiet"])
+    assert rc == 2 and not (tmp_path / "z").exists()
+    with pytest.raises(InputError, match="out_estimator"):
+        quantize_model(models / "hf32", tmp_path / "w", factors="global",
+                       out_estimator="median", **kw)
 
 
 def test_calibration_sequences(models):
