@@ -113,7 +113,8 @@ def run(args):
                                  calib=calib, **fixed,
                                  calib_seqs=seqs, device=args.device, labels=labels,
                                  incoherence=None if inc < 0 else inc, keep_weights=True,
-                                 refine_iters=refine, tile=(tile, tile),
+                                 refine_iters=refine, tile=(tile, tile), damp=args.damp,
+                                 out_estimator=args.out_estimator,
                                  progress=False, **out_reg)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -124,8 +125,10 @@ def run(args):
                "tokens": res["calibration"]["tokens"],
                "bits": bits, "incoherence": inc, "factors": factors, "labels": labels,
                "shrink_out": shrink, "damp_out": damp_out, "refine": refine, "tile": tile,
-               "rule": (f"damp {auto_damp(inc >= 0)}" if shrink == "auto"
-                        and factors not in ("rtn", "input") else None),
+               "damp": args.damp, "out_estimator": args.out_estimator,
+               "rule": (f"damp {auto_damp(inc >= 0)}" + ("" if args.out_estimator == "mean"
+                                                          else f", {args.out_estimator} H_out")
+                        if shrink == "auto" and factors not in ("rtn", "input") else None),
                "wall": wall, "seconds": res["seconds"], "device": res["device"],
                **({"host": args.host} if args.host else {}),
                **{f"{k}_{m}": figs[k][m] for k in figs
@@ -158,7 +161,20 @@ def _rows(paths):
         r.setdefault("refine", 1)   # (rows from before the option: one step)
         r.setdefault("rule", None)
         r.setdefault("tile", 16)   # (rows from before the option: the command's tiles)
+        r.setdefault("damp", 0.01)   # (rows from before the option: the command's damping)
+        r.setdefault("out_estimator", "mean")
     return rows
+
+
+def regularisation(r):
+    """The ``H_out`` column of a row: ``auto: <rule>`` or the numbers given."""
+    if r["factors"] in ("rtn", "input"):   # no H_out
+        return "—"
+    if r["shrink_out"] == "auto":   # --damp-out auto (rows without "rule": the earlier one)
+        return "auto: " + (r["rule"] or "shrink m/N")
+    return (f"damp {r['damp_out']:g}" + (f", shrink {r['shrink_out']}"
+                                         if float(r["shrink_out"]) else "")
+            + ("" if r["out_estimator"] == "mean" else f", {r['out_estimator']} H_out"))
 
 
 def pool(args):
@@ -167,19 +183,20 @@ def pool(args):
     the same seed on the same machine (``host``; a run without its pair is left out), with
     its delta-method standard error; the range is that of the single seeds' ratios; the
     KLs are the seeds' means. Settings are those of :func:`run` but the
-    seed (``--factors global`` with ``--damp-out auto`` and one label draw, K-FAC)."""
+    seed (``--factors global`` with one label draw, K-FAC; ``--rule`` keeps one ``H_out``
+    column, e.g. ``"damp 3"`` for ``auto: damp 3`` or ``"damp 0.1, crossfit H_out"``)."""
     rows = [r for r in _rows(args.results) if r["incoherence"] >= 0
             and (args.calib is None or r["calib"] == args.calib)]
-    key = (lambda r: (r["format"], r["calib"], r["tokens"], r["bits"], r["tile"]))
+    key = (lambda r: (r["format"], r["calib"], r["tokens"], r["bits"], r["tile"], r["damp"]))
     two = {}
     one = {(key(r), r["incoherence"], r.get("host")): r for r in rows
            if r["factors"] == "input"}
     for r in rows:
         if (r["factors"] == "global" and r["labels"] == "sample" and r["refine"] == 0
-                and r["shrink_out"] == "auto"
                 and (key(r), r["incoherence"], r.get("host")) in one):
-            if args.rule is None or r["rule"] == args.rule:
-                two.setdefault((key(r), r["rule"]), []).append(r)
+            label = regularisation(r)
+            if args.rule is None or args.rule in (label, label.removeprefix("auto: ")):
+                two.setdefault((key(r), label), []).append(r)
     print("| calibration | tokens | bits | tile | H_out | seeds | "
           + " | ".join(f"{k} KL, input / global | ÷ input ± s.e. (range)" for k in TEXTS)
           + " |")
@@ -197,7 +214,8 @@ def pool(args):
             cells += [f"{np.mean([q_[f'{t}_kl'] for q_ in base]):.3f} / "
                       f"{np.mean([r[f'{t}_kl'] for r in runs]):.3f}",
                       f"**{q:.2f}** ± {se:.2f} ({min(each):.2f}–{max(each):.2f})"]
-        print(f"| {k[1]} | {k[2]:,} | {k[3]} | {k[4]}×{k[4]} | auto: {rule} | "
+        in_damp = "" if k[5] == 0.01 else f", H_in damp {k[5]:g}"
+        print(f"| {k[1]} | {k[2]:,} | {k[3]} | {k[4]}×{k[4]} | {rule}{in_damp} | "
               + ", ".join(str(r["incoherence"]) for r in runs) + " | "
               + " | ".join(cells) + " |")
 
@@ -208,18 +226,11 @@ def table(args):
     def base_of(r):
         for q in rows:
             if (q["format"], q["calib"], q["seqs"], q["bits"], q["incoherence"], q["tile"],
-                    q["factors"]) == (r["format"], r["calib"], r["seqs"], r["bits"],
-                                      r["incoherence"], r["tile"], "input"):
+                    q["damp"], q.get("host"), q["factors"]) == (
+                    r["format"], r["calib"], r["seqs"], r["bits"], r["incoherence"], r["tile"],
+                    r["damp"], r.get("host"), "input"):
                 return q
         return None
-
-    def regularisation(r):
-        if r["factors"] in ("rtn", "input"):   # no H_out
-            return "—"
-        if r["shrink_out"] == "auto":   # --damp-out auto (rows without "rule": the earlier one)
-            return "auto: " + (r["rule"] or "shrink m/N")
-        return (f"damp {r['damp_out']:g}" + (f", shrink {r['shrink_out']}"
-                                             if float(r["shrink_out"]) else ""))
 
     def cols(r):
         no_out = r["factors"] in ("rtn", "input")
@@ -228,7 +239,7 @@ def table(args):
                 "refine": "—" if no_out else str(r["refine"]),
                 "labels": "—" if no_out else r["labels"],
                 "incoherence": "none" if r["incoherence"] < 0 else str(r["incoherence"]),
-                "tile": f"{r['tile']}×{r['tile']}",
+                "tile": f"{r['tile']}×{r['tile']}", "H_in damping": f"{r['damp']:g}",
                 "H_out": regularisation(r), "device": r["device"]}
 
     shown = [k for k in cols(rows[0])
@@ -292,6 +303,10 @@ def main(argv=None):
                         "--format float and none for GGUF")
     r.add_argument("--tile", nargs="+", type=int, default=[16],
                    help="square solver tiles (default 16, the command's)")
+    r.add_argument("--damp", type=float, default=0.01,
+                   help="relative damping of H_in, both methods (default 0.01, the command's)")
+    r.add_argument("--out-estimator", default="mean",
+                   help="H_out from all tokens (mean) or cross-fitted halves (crossfit)")
     r.add_argument("--heldout-seed", type=int, default=1000)
     r.add_argument("--deadline", type=float, default=1e9, help="seconds; then stop starting runs")
     r.add_argument("--host", default=None,
@@ -302,7 +317,8 @@ def main(argv=None):
     t = sub.add_parser("pool", help="the rotation seeds of each setting pooled")
     t.add_argument("results", nargs="+")
     t.add_argument("--calib", default=None, help="only this calibration")
-    t.add_argument("--rule", default=None, help="only this auto rule (e.g. 'damp 3')")
+    t.add_argument("--rule", default=None,
+                   help="only this H_out column (e.g. 'damp 3' for 'auto: damp 3')")
     args = p.parse_args(argv)
     {"run": run, "table": table, "pool": pool}[args.cmd](args)
 
