@@ -521,11 +521,11 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         exist. Its work folder ``OUT.work`` holds the finished layers until the end.
     fmt : {"gguf-q4_0", "gguf-q4_1", "gguf-q8_0", "gptq", "float"}
     factors : {"rtn", "input", "global", "input+global-out"}
-        Default ``"global"`` (two-sided, K-FAC factors, ``H_out`` regularised by
-        ``damp_out="auto"``): on SmolLM2 (``fmt="float"``, the other defaults) it gave 0.85x
-        and 0.86x the KL of ``"input"`` (one-sided LDLQ) at 3 and 4 bits on text sampled
-        from the model (ten rotation seeds), the calibration-side criterion it was chosen
-        by (docs/llm.md, "The whole model through quantize-model", where its figures on
+        Default ``"global"`` (two-sided, K-FAC factors, ``H_out`` cross-fitted for rotated
+        layers and regularised by ``damp_out="auto"``): on SmolLM2 (``fmt="float"``, the
+        other defaults) it gave 0.82x the KL of ``"input"`` (one-sided LDLQ) at 3 and at 4
+        bits on text sampled from the model (eight rotation seeds), the calibration-side
+        criterion it was chosen by (docs/llm.md, "Cross-fitted H_out", where its figures on
         held-out text are too).
     bits, group_size, sym
         The grid of ``gptq`` (bits 2/4/8) and ``float`` (bits 2..8); defaults 4 bits, groups
