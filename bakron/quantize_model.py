@@ -611,7 +611,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         underestimated (with ``damp_out="auto"`` it is damped by 0.1 instead of 3).
         ``"auto"`` (default): ``"crossfit"`` for a run that rotates its layers (the
         ``float`` format's default), ``"mean"`` otherwise; on SmolLM2 it lowered the
-        two-sided KL on model-sampled text by 3-4 % (docs/llm.md). Ignored without an
+        two-sided KL on model-sampled text by 3-5 % (docs/llm.md). Ignored without an
         ``H_out``.
     blas_threads : int or None
         BLAS threads during the Hessian passes and the solves on the CPU (through
