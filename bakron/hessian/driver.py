@@ -1150,7 +1150,7 @@ class _Run:
                                  f"{name!r}, which is {m} x {n}")
 
         steps = ["kfac"] + ["refine_out", "refine_in"] * self.iters
-        emitted = set()   # layers already handed to the sink
+        emitted = False   # the layers were handed to the sink as they were cross-fitted
         for si, step in enumerate(steps):
             accs = {}
             # the factor a refinement step replaces holds the new sum (no fresh n x n memory
@@ -1264,20 +1264,18 @@ class _Run:
             if step == "kfac" and self.out_split:
                 # (without refinement the layers are final: hand each on as it is ready)
                 emit = self.sink if not self.iters and self.sink is not None else None
-                done = self._crossfit_all(names, accs, emit)
-                current.update(done)
-                emitted = set(names) - set(done)
-            for n in names:   # finalise layer by layer, dropping each accumulator at once
-                if step == "kfac" and (n in current or n in emitted):
-                    continue
-                acc = accs.pop(n)
-                if step == "kfac":
-                    current[n] = (acc[0].finish(), acc[1].finish())
-                elif step == "refine_out":
-                    current[n] = (current[n][0], acc.finish())
-                else:
-                    current[n] = (acc.finish(), current[n][1])
-                del acc
+                current.update(self._crossfit_all(names, accs, emit))
+                emitted = emit is not None
+            else:
+                for n in names:   # finalise layer by layer, dropping each accumulator at once
+                    acc = accs.pop(n)
+                    if step == "kfac":
+                        current[n] = (acc[0].finish(), acc[1].finish())
+                    elif step == "refine_out":
+                        current[n] = (current[n][0], acc.finish())
+                    else:
+                        current[n] = (acc.finish(), current[n][1])
+                    del acc
             del accs
             scratch.clear()
             if step == "kfac" and self.iters and self.kfac_sink is not None:
@@ -1285,11 +1283,10 @@ class _Run:
                     self.kfac_sink(n, *current[n])
         self.eng.collect = None   # the closure holds this leaf's factors: let them go
         self.eng.vjp_done = None
-        for n in names:
-            if n in emitted:
-                continue
-            if self.sink is not None:
-                self.sink(n, *current[n])
-            else:
-                self.results[n] = current[n]
+        if not emitted:
+            for n in names:
+                if self.sink is not None:
+                    self.sink(n, *current[n])
+                else:
+                    self.results[n] = current[n]
         self.ledger.free("buf", nbuf, 0)
