@@ -37,6 +37,8 @@ import time
 
 import numpy as np
 
+from .factors import OUT_ESTIMATORS  # (bakron's own __init__ imports bakron.factors)
+
 __all__ = ["main", "EXIT_OK", "EXIT_LAYER_FAILED", "EXIT_USAGE", "EXIT_OUT_EXISTS",
            "EXIT_UNAVAILABLE", "EXIT_WRITE_FAILED", "EXIT_INTERRUPTED"]
 
@@ -375,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="estimator of a global H_out: one sampled label per token (default), "
                          "K draws, the output Fisher from the K most probable labels, or the "
                          "next token (docs/hessian.md)")
-    qm.add_argument("--out-estimator", choices=("auto", "mean", "crossfit"), default="auto",
+    qm.add_argument("--out-estimator", choices=("auto", *OUT_ESTIMATORS), default="auto",
                     help="how a global H_out is formed from the calibration tokens: mean (the "
                          "K-FAC mean of all of them), crossfit (each half's eigenvectors with "
                          "eigenvalues measured on the other half), auto (default: crossfit "

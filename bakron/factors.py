@@ -15,7 +15,7 @@ from ._validate import (check_damp, check_finite, check_int, check_matrix, check
 
 __all__ = ["block_ldl", "prepare_factor", "Factor", "NotPositiveDefiniteError", "check_shrink",
            "auto_regularization", "AUTO_DAMP_OUT",
-           "AUTO_DAMP_OUT_ROTATED", "AUTO_DAMP_OUT_CROSSFIT"]
+           "AUTO_DAMP_OUT_ROTATED", "AUTO_DAMP_OUT_CROSSFIT", "OUT_ESTIMATORS"]
 
 
 class NotPositiveDefiniteError(ValueError):
@@ -234,6 +234,9 @@ AUTO_DAMP_OUT_ROTATED = 3.0
 #: the same for a rotated layer whose ``H_out`` is cross-fitted
 #: (:func:`bakron.hessian.crossfit.crossfit`)
 AUTO_DAMP_OUT_CROSSFIT = 0.1
+#: how a global ``H_out`` is formed from its rows (:func:`bakron.hessian.global_factors`):
+#: the K-FAC mean, or the cross-fitted halves (:func:`bakron.hessian.crossfit.crossfit`)
+OUT_ESTIMATORS = ("mean", "crossfit")
 
 
 def auto_regularization(width: int, tokens: int, *, rotated: bool = False,
@@ -260,7 +263,7 @@ def auto_regularization(width: int, tokens: int, *, rotated: bool = False,
     """
     check_int(width, "width", minimum=1)
     check_int(tokens, "tokens", minimum=1)
-    if estimator not in ("mean", "crossfit"):
+    if estimator not in OUT_ESTIMATORS:
         raise ValueError(f"estimator must be 'mean' or 'crossfit', got {estimator!r}")
     if not rotated:
         return 0.0, AUTO_DAMP_OUT

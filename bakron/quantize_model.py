@@ -950,7 +950,9 @@ def _incoherence_seed(incoherence, fmt, factors) -> int | None:
 def _out_estimator(out_estimator, factors, incoherence) -> str:
     """``"mean"`` or ``"crossfit"`` from ``out_estimator`` ("auto": crossfit for a run that
     rotates its layers and has a global ``H_out``); ``InputError`` naming a bad value."""
-    if out_estimator not in ("auto", "mean", "crossfit"):
+    from .factors import OUT_ESTIMATORS
+
+    if out_estimator != "auto" and out_estimator not in OUT_ESTIMATORS:
         raise InputError(f"out_estimator must be 'auto', 'mean' or 'crossfit', got "
                          f"{out_estimator!r}")
     if factors in ("rtn", "input"):   # (no H_out)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from .. import _xp
 from .._validate import check_finite
+from ..factors import OUT_ESTIMATORS
 from .accumulate import (FactorAccumulator, frobenius_sq, gram_buffer, sequence_mix,
                          token_quadratic)
 from .checkpoint import SCHEDULES, bisection_slots, split_point
@@ -671,7 +672,7 @@ def _token_masks(xp, first, batches):
 # the public driver
 # --------------------------------------------------------------------------------------------
 def _check_out_estimator(out_estimator):
-    if out_estimator not in ("mean", "crossfit"):
+    if out_estimator not in OUT_ESTIMATORS:
         raise ValueError(f"out_estimator must be 'mean' or 'crossfit', got {out_estimator!r}")
 
 
