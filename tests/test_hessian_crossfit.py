@@ -186,3 +186,22 @@ def test_a_half_with_no_weight_gives_the_other_halfs_mean():
     ref, _ = bh.global_factors(stages, batches, weights=w)
     for n in ref:
         np.testing.assert_array_equal(got[n][1], ref[n][1])
+
+
+def test_one_core_gives_the_same_factors(monkeypatch):
+    """The layers' eigendecompositions in a pool of two threads or one after the other."""
+    import bakron.hessian.driver as drv
+
+    rng = np.random.default_rng(11)
+    batches = [rng.standard_normal((5, 16)) for _ in range(4)]
+    stages = random_mlp([16] * 4 + [4], seed=6)
+    pooled, _ = bh.global_factors(stages, batches, out_estimator="crossfit")
+    monkeypatch.setattr(drv.os, "cpu_count", lambda: 1)
+    seen = []
+    alone, _ = bh.global_factors(stages, batches, out_estimator="crossfit")
+    bh.global_factors(stages, batches, out_estimator="crossfit",
+                      sink=lambda n, Hi, Ho: seen.append((n, Ho)))
+    assert list(alone) == list(pooled) == [n for n, _ in seen]
+    for (n, Ho) in seen:
+        np.testing.assert_array_equal(alone[n][1], pooled[n][1])
+        np.testing.assert_array_equal(Ho, pooled[n][1])

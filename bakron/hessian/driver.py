@@ -995,16 +995,17 @@ class _Run:
         workers = min(2, os.cpu_count() or 1) if _xp.is_numpy(xp) else 0
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
         try:
-            jobs = {n: (pool.submit(one, accs.pop(n)) if pool is not None else accs.pop(n))
-                    for n in names}
-            for n in names:
-                job = jobs.pop(n)
-                res = job.result() if pool is not None else one(job)
+            if pool is None:
+                ready = ((n, one(accs.pop(n))) for n in names)
+            else:   # (every layer submitted at once; results taken in order, each dropped)
+                jobs = {n: pool.submit(one, accs.pop(n)) for n in names}
+                ready = ((n, jobs.pop(n).result()) for n in names)
+            for n, res in ready:
                 if emit is None:
                     out[n] = res
                 else:
                     emit(n, *res)
-                del job, res
+                del res
         finally:   # (after an error: drop what has not started)
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
