@@ -81,13 +81,14 @@ def run(args):
     if args.auto_wide is not None:   # another damping for the wide factors (ffn_gate/up)
         rule = bakron.factors.auto_regularization
 
-        def wide_rule(width, tokens, *, rotated=False):
-            shrink, damp = rule(width, tokens, rotated=rotated)
+        def wide_rule(width, tokens, **kw):   # (rotated=, estimator=: as the rule's)
+            shrink, damp = rule(width, tokens, **kw)
             return (shrink, args.auto_wide) if width >= args.wide else (shrink, damp)
         bakron.factors.auto_regularization = wide_rule
 
     def auto_damp(rotated):
-        d = bakron.factors.auto_regularization(1, 1, rotated=rotated)[1]
+        d = bakron.factors.auto_regularization(1, 1, rotated=rotated,
+                                               estimator=args.out_estimator)[1]
         return f"{d:g}" + ("" if args.auto_wide is None
                            else f", {args.auto_wide:g} for m >= {args.wide}")
     for calib, seqs, bits, inc, factors, labels, shrink, damp_out, refine, tile in grid:
@@ -305,8 +306,9 @@ def main(argv=None):
                    help="square solver tiles (default 16, the command's)")
     r.add_argument("--damp", type=float, default=0.01,
                    help="relative damping of H_in, both methods (default 0.01, the command's)")
-    r.add_argument("--out-estimator", default="mean",
-                   help="H_out from all tokens (mean) or cross-fitted halves (crossfit)")
+    r.add_argument("--out-estimator", choices=("mean", "crossfit"), default="mean",
+                   help="H_out from all tokens (mean, the default here) or cross-fitted "
+                        "halves (crossfit, the command's default for rotated layers)")
     r.add_argument("--heldout-seed", type=int, default=1000)
     r.add_argument("--deadline", type=float, default=1e9, help="seconds; then stop starting runs")
     r.add_argument("--host", default=None,
