@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ._lib.threads import cores
+
 
 def check_int(value, name: str, *, minimum: int | None = None, what: str | None = None) -> int:
     """``value`` as a Python int: only integers are accepted (``int`` or a numpy integer
@@ -125,10 +127,8 @@ def map_strips(fn, strips) -> list:
     pid = os.getpid()  # a forked child has none of its parent's pool threads: its own pool
     with _STRIP_LOCK:
         if pid not in _STRIP_POOL:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-                (os.cpu_count() or 1)
             _STRIP_POOL.clear()
-            _STRIP_POOL[pid] = ThreadPoolExecutor(max(1, cores), CHECK_THREADS)
+            _STRIP_POOL[pid] = ThreadPoolExecutor(max(1, cores()), CHECK_THREADS)
         pool = _STRIP_POOL[pid]
     return list(pool.map(lambda s: fn(*s), strips))
 

@@ -196,7 +196,7 @@ def test_one_core_gives_the_same_factors(monkeypatch):
     batches = [rng.standard_normal((5, 16)) for _ in range(4)]
     stages = random_mlp([16] * 4 + [4], seed=6)
     pooled, _ = bh.global_factors(stages, batches, out_estimator="crossfit")
-    monkeypatch.setattr(drv.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(drv, "cores", lambda: 1)
     seen = []
     alone, _ = bh.global_factors(stages, batches, out_estimator="crossfit")
     bh.global_factors(stages, batches, out_estimator="crossfit",

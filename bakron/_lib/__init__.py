@@ -6,7 +6,7 @@
 - :mod:`._lib.packing`: the packed-triangle layout of symmetric matrices (factor files);
 - :mod:`._lib.special`: erf and the exact GELU in any array namespace;
 - :mod:`._lib.proxy`: the proxy-error metrics of a rounded layer;
-- :mod:`._lib.threads`: BLAS thread limits (threadpoolctl).
+- :mod:`._lib.threads`: BLAS thread limits (threadpoolctl) and the cores the process may use.
 
 These modules import nothing of bakron but :mod:`bakron._xp` and (to write a safetensors file)
 :mod:`bakron._safetensors`; the per-layer pipeline, which uses the public API, is

@@ -1,10 +1,19 @@
-"""BLAS thread limits: the one wrapper of ``threadpoolctl`` that the demo, ``quantize_model``
-and the stacked solver use."""
+"""Threads and cores: the one wrapper of ``threadpoolctl`` that the demo, ``quantize_model``
+and the stacked solver use (BLAS thread limits), and the cores this process may use."""
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
-__all__ = ["blas_limit"]
+__all__ = ["blas_limit", "cores"]
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system reports it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
 
 
 @contextmanager
@@ -31,3 +40,4 @@ def blas_limit(threads: int | None, name: str = "threads"):
         pass
     with threadpool_limits(limits=threads, user_api="blas"):
         yield threads
+

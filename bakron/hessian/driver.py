@@ -18,12 +18,12 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import _xp
+from .._lib.threads import cores
 from .._validate import check_finite
 from ..factors import OUT_ESTIMATORS
 from .accumulate import (FactorAccumulator, frobenius_sq, gram_buffer, sequence_mix,
@@ -992,7 +992,7 @@ class _Run:
             return H_in, crossfit(xp, acc[1].finish(), wa, acc[2].finish(), wb, dtype=dtype)
 
         out = {}
-        workers = min(2, os.cpu_count() or 1) if _xp.is_numpy(xp) else 0
+        workers = min(2, cores()) if _xp.is_numpy(xp) else 0
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
         try:
             if pool is None:

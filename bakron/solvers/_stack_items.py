@@ -8,22 +8,13 @@ the caller's thread or in worker threads) and copies their results into the stac
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from contextlib import contextmanager
 
 from .. import _xp
 
-__all__ = ["ItemRunner", "cores", "engine_check", "solve_item"]
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
+__all__ = ["ItemRunner", "engine_check", "solve_item"]
 
 
 def engine_check(solvers, xp, chunk, engine: str, return_targets: bool) -> dict:

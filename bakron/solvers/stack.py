@@ -41,8 +41,8 @@ from . import _execute as solvers  # the single-layer solve's engine choice and 
 from ._execute import METHODS, SolveResult
 from .engines import COUNT_NONFINITE, SOLVE_STACK, STACK_CHECKS, STACK_THREADS, offers
 from .options import as_options
-from .._lib.threads import blas_limit
-from ._stack_items import ItemRunner, cores, engine_check
+from .._lib.threads import blas_limit, cores
+from ._stack_items import ItemRunner, engine_check
 
 __all__ = ["solve_stack", "StackChunk", "stack_shape"]
 
