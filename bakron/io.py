@@ -580,6 +580,20 @@ def array_module(device: str = "auto"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
     if device == "cpu":
         return np, "cpu"
+
+
+def array_namespace(device: str = "auto"):
+    """``(array-API namespace, "cpu" | "gpu")`` for ``device`` in ``auto | cpu | gpu``: the
+    namespace of :func:`array_module`'s choice (array-api-compat's numpy or cupy wrapper),
+    as the model pipelines (``quantize_model``, the demos, the Dask model jobs) compute in."""
+    xp, dev = array_module(device)
+    if dev == "gpu":
+        import array_api_compat
+
+        return array_api_compat.array_namespace(xp.zeros(1)), "gpu"
+    import array_api_compat.numpy as xpn
+
+    return xpn, "cpu"
     try:
         import cupy
 

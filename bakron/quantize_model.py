@@ -711,7 +711,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                                          retries=retries, device=device)
     try:
         from ._lib.threads import blas_limit
-        from .demo._common import namespace
+        from .io import array_namespace as namespace
         from .models import load_llm
 
         xp, dev = namespace(device)

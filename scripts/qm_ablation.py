@@ -61,7 +61,7 @@ def _reference(lm, heldout_seed, n_gen=24, seq_len=128):
 
 def run(args):
     import bakron.factors
-    from bakron.demo._common import namespace
+    from bakron.io import array_namespace as namespace
     from bakron.models import load_llm
     from bakron.quantize_model import quantize_model
 

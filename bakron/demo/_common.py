@@ -20,20 +20,6 @@ def log(progress: bool, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def namespace(device: str):
-    """``(array-API namespace, "cpu" | "gpu")`` for ``device`` in ``auto | cpu | gpu``."""
-    from .. import io as bio
-
-    xp, dev = bio.array_module(device)
-    if dev == "gpu":
-        import array_api_compat
-
-        return array_api_compat.array_namespace(xp.zeros(1)), "gpu"
-    import array_api_compat.numpy as xpn
-
-    return xpn, "cpu"
-
-
 @contextlib.contextmanager
 def blas_limit(threads):
     """:func:`bakron._lib.threads.blas_limit`, yielding a description for the reports."""

@@ -40,8 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from .._validate import check_bits_list, check_int
+from ..io import array_namespace as namespace
 from ..models.llm.evaluation import EvalSet as _EvalSet, evaluate, sem
-from ._common import Clock, PeakMemory, ProxyPairs, blas_limit, log, md_table, namespace, png, \
+from ._common import Clock, PeakMemory, ProxyPairs, blas_limit, log, md_table, png, \
     prepare_cached, warm_up
 
 __all__ = ["run", "METHODS", "quick_layers", "evaluate", "dequantize_codes"]

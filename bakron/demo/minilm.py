@@ -32,7 +32,7 @@ from ._common import Clock as _Clock
 from ._common import blas_limit as _blas_limit
 from ._common import log as _log
 from ._common import md_table as _md_table
-from ._common import namespace as _namespace
+from ..io import array_namespace as _namespace
 from ._common import png as _png
 from ._common import ProxyPairs as _Metrics
 from ._common import prepare_cached as _prepare

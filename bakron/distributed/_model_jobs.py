@@ -33,7 +33,7 @@ def solve_task(work: str, name: str, key: str, W, H_in, H_out, grid: dict, tile,
                device: str, incoherence: int | None = None) -> dict:
     """The body of one layer task (runs on a worker): the arrays on the worker's ``device``,
     then the driver's own solve-and-publish. Returns ``{"name", "seconds", "worker"}``."""
-    from ..demo._common import namespace
+    from ..io import array_namespace as namespace
     from ..pipeline import solve_and_publish
 
     t = time.perf_counter()
