@@ -379,7 +379,8 @@ def _check_memory_budget(lm, xp, seqs, todo, memory_budget, batch_size, out_esti
 
     try:
         plan_global(lm.stages(), _calibration_batches(lm, xp, seqs, batch_size),
-                    budget_bytes=memory_budget, layers=todo, out_estimator=out_estimator)
+                    budget_bytes=memory_budget, layers=todo, out_estimator=out_estimator,
+                    accum_dtype=xp.float32)
     except _TooSmall as exc:
         msg = (str(exc).replace(f"budget_bytes={memory_budget}",
                                 f"memory_budget (--memory-budget) {memory_budget} bytes")
@@ -1010,7 +1011,10 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
                             seed=options["seed"], budget_bytes=memory_budget, layers=todo,
                             sink=sink, progress=bool(progress),
                             out_estimator=options.get("out_estimator", "mean"),
-                            kfac_sink=keep_local if keep else None)
+                            kfac_sink=keep_local if keep else None,
+                            # float32 sums of the float32 products, as the demo: half the
+                            # factor buffers and their memory traffic (docs/hessian.md)
+                            accum_dtype=xp.float32)
     return rep
 
 

@@ -563,3 +563,22 @@ def test_refinement_with_padding_equals_unpadded(refine):
     for key in a:
         for x, y in zip(a[key], b[key]):
             np.testing.assert_allclose(x, y, rtol=1e-9, atol=1e-14 * np.abs(y).max())
+
+
+@pytest.mark.parametrize("out_estimator", ["mean", "crossfit"])
+def test_float32_sums_stay_near_float64_sums(out_estimator):
+    """``accum_dtype=float32`` (what quantize-model and the demo use): float32 products of
+    float32 activations summed in float32 over many batches deviate from float64 sums by a
+    float32 rounding, far below any sampling error."""
+    w32 = {k: v.astype(np.float32) for k, v in _weights(40).items()}
+    rng = np.random.default_rng(41)
+    seqs = [list(rng.integers(0, V, size=6)) for _ in range(32)]
+    batches, _ = bh.pad_batches(seqs, batch_size=2)   # 16 batches, as the command's
+    f64, _ = bh.global_factors(_chain(w32, labels=None), batches, seed=2,
+                               out_estimator=out_estimator)
+    f32, _ = bh.global_factors(_chain(w32, labels=None), batches, seed=2,
+                               out_estimator=out_estimator, accum_dtype=np.float32)
+    for key in f64:
+        for a, b in zip(f64[key], f32[key]):
+            assert b.dtype == np.float32
+            assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), key
