@@ -161,6 +161,15 @@ def _choose(logits, rngs, greedy, temperature):
     xp = _xp.namespace(logits)
     if greedy:
         return np.asarray(_xp.to_numpy(xp.argmax(logits, axis=-1)), dtype=np.int64)
+    if _xp.is_numpy(xp):   # the same draws in place, each row's step found by bisection
+        z = np.array(logits, dtype=np.float64)
+        z /= temperature
+        z -= np.max(z, axis=-1, keepdims=True)
+        np.exp(z, out=z)
+        np.cumsum(z, axis=-1, out=z)
+        u = np.array([r.random() for r in rngs])
+        y = [np.searchsorted(z[b], u[b] * z[b, -1], side="right") for b in range(z.shape[0])]
+        return np.minimum(np.asarray(y, dtype=np.int64), logits.shape[-1] - 1)
     z = xp.astype(logits, xp.float64) / temperature
     z = z - xp.max(z, axis=-1, keepdims=True)
     cdf = xp.cumulative_sum(xp.exp(z), axis=-1)
