@@ -580,6 +580,18 @@ def array_module(device: str = "auto"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
     if device == "cpu":
         return np, "cpu"
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy, "gpu"
+        why = "cupy sees no CUDA device"
+    except Exception as exc:  # ImportError, CUDA driver errors
+        why = f"cupy is not usable ({type(exc).__name__}: {exc})"
+    if device == "gpu":
+        raise RuntimeError(f"device='gpu' but {why}; install bakron[cuda12] or bakron[cuda13] "
+                           f"on a machine with a GPU, or use --device cpu")
+    return np, "cpu"
 
 
 def array_namespace(device: str = "auto"):
@@ -594,15 +606,3 @@ def array_namespace(device: str = "auto"):
     import array_api_compat.numpy as xpn
 
     return xpn, "cpu"
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy, "gpu"
-        why = "cupy sees no CUDA device"
-    except Exception as exc:  # ImportError, CUDA driver errors
-        why = f"cupy is not usable ({type(exc).__name__}: {exc})"
-    if device == "gpu":
-        raise RuntimeError(f"device='gpu' but {why}; install bakron[cuda12] or bakron[cuda13] "
-                           f"on a machine with a GPU, or use --device cpu")
-    return np, "cpu"

@@ -326,6 +326,17 @@ def test_array_module():
             io.array_module("gpu")
 
 
+def test_array_namespace():
+    import array_api_compat.numpy as xpn
+
+    assert io.array_namespace("cpu") == (xpn, "cpu")
+    xp, name = io.array_namespace("auto")
+    assert name == io.array_module("auto")[1]
+    assert xp.asarray([1.0, 2.0]).shape == (2,) and hasattr(xp, "linalg")
+    with pytest.raises(ValueError, match="device must be"):
+        io.array_namespace("tpu")
+
+
 @pytest.mark.parametrize("compressed", [False, True])
 def test_read_npz_round_trips_every_plain_layout(tmp_path, compressed):
     """The bounded npz reader gives what np.load gives: Fortran order, big-endian, 0-d,
