@@ -40,4 +40,3 @@ def blas_limit(threads: int | None, name: str = "threads"):
         pass
     with threadpool_limits(limits=threads, user_api="blas"):
         yield threads
-
