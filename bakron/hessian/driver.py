@@ -671,9 +671,12 @@ def _token_masks(xp, first, batches):
 # --------------------------------------------------------------------------------------------
 # the public driver
 # --------------------------------------------------------------------------------------------
-def _check_out_estimator(out_estimator):
+def _out_copies(out_estimator) -> int:
+    """The ``m x m`` sums a layer's ``H_out`` needs: 2 for a cross-fitted one (its halves),
+    1 for the mean; ``ValueError`` for an unknown estimator."""
     if out_estimator not in OUT_ESTIMATORS:
         raise ValueError(f"out_estimator must be 'mean' or 'crossfit', got {out_estimator!r}")
+    return 2 if out_estimator == "crossfit" else 1
 
 
 def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
@@ -685,10 +688,8 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
     cut, schedule, snapshots), ...], "planned_peak_bytes": int}`` in execution order; raises
     the same errors (shapes, budget too small) as :func:`global_factors`.
     """
-    _check_out_estimator(out_estimator)
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, None, "token", 0, layers,
-                 out_copies=2 if out_estimator == "crossfit" else 1)
+                 accum_dtype, None, "token", 0, layers, out_copies=_out_copies(out_estimator))
     nodes = list(_walk(P["plan"]))
     return {"leaves": [(n.start, n.stop, n.schedule, n.snapshots) for n in nodes
                        if isinstance(n, _Leaf)],
@@ -843,7 +844,7 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
                 batch_tokens=batch_tokens,
                 names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
                 acc_dtype=acc_dtype, plan=plan, ids=ids, products=prod_dtype,
-                checkpoint=checkpoint)
+                checkpoint=checkpoint, out_copies=out_copies)
 
 
 def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
@@ -927,10 +928,9 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         Passes, stage evaluations, VJPs, peak bytes by kind, the plan's leaf ranges.
     """
     t0 = time.perf_counter()
-    _check_out_estimator(out_estimator)
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
                  accum_dtype, weights, refine, refine_iters, layers, products,
-                 out_copies=2 if out_estimator == "crossfit" else 1)
+                 out_copies=_out_copies(out_estimator))
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
@@ -941,7 +941,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
     run.kfac_sink = kfac_sink
-    run.out_split = out_estimator == "crossfit"
+    run.out_split = P["out_copies"] == 2
     run.progress, close = progress_bar(progress)
     run.passes = sum(1 if isinstance(nd, _Split) else 1 + 2 * int(refine_iters)
                      for nd in _walk(P["plan"]) if not isinstance(nd, _Skip))
@@ -1118,7 +1118,7 @@ class _Run:
         owner = {n: i for i in range(a, b) for n in P["names_at"][i]}
         acc_dtype = P["acc_dtype"]
         dev = _xp.device(P["batches"][0])
-        nbuf = sum(((1 + self.out_split) * P["layer_shapes"][n][0] ** 2
+        nbuf = sum((P["out_copies"] * P["layer_shapes"][n][0] ** 2
                     + P["layer_shapes"][n][1] ** 2)
                    * (xp.finfo(acc_dtype).bits // 8) for n in names)
         self.ledger.alloc("buf", nbuf, 0)
