@@ -88,6 +88,9 @@ GPU_BATCH_SIZE = 256
 GPU_GENERATE_BATCH = 1024
 _GGUF_BITS = {"gguf-q4_0": 4, "gguf-q4_1": 4, "gguf-q8_0": 8}
 _RUN_FILE = "run.json"
+#: the dtype the Hessian pass sums the factors in (float32, as the demo: half the factor
+#: buffers and their memory traffic, docs/hessian.md); the memory-budget check plans with it
+_ACCUM_DTYPE = "float32"
 _VERSION = 2   # 2: layers keyed on full hashes of the weights
 
 
@@ -380,7 +383,7 @@ def _check_memory_budget(lm, xp, seqs, todo, memory_budget, batch_size, out_esti
     try:
         plan_global(lm.stages(), _calibration_batches(lm, xp, seqs, batch_size),
                     budget_bytes=memory_budget, layers=todo, out_estimator=out_estimator,
-                    accum_dtype=xp.float32)
+                    accum_dtype=getattr(xp, _ACCUM_DTYPE))
     except _TooSmall as exc:
         msg = (str(exc).replace(f"budget_bytes={memory_budget}",
                                 f"memory_budget (--memory-budget) {memory_budget} bytes")
@@ -1012,9 +1015,7 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
                             sink=sink, progress=bool(progress),
                             out_estimator=options.get("out_estimator", "mean"),
                             kfac_sink=keep_local if keep else None,
-                            # float32 sums of the float32 products, as the demo: half the
-                            # factor buffers and their memory traffic (docs/hessian.md)
-                            accum_dtype=xp.float32)
+                            accum_dtype=getattr(xp, _ACCUM_DTYPE))
     return rep
 
 
