@@ -179,6 +179,25 @@ def test_other_settings_do_not_resume_a_work_folder(models, tmp_path):
     assert rc == 2 and not out.exists()
 
 
+def test_another_accumulation_dtype_does_not_resume(models, tmp_path, monkeypatch):
+    """A work folder of layers solved from factors summed in another dtype belongs to
+    another run: it is refused, not resumed."""
+    import bakron.quantize_model as qm
+
+    out = tmp_path / "q.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(models / "tiny.gguf", out, fmt="gguf-q4_0", factors="input",
+                       _after_layer=lambda n: (_ for _ in ()).throw(KeyboardInterrupt), **FAST)
+    assert len(list((work_folder(out) / "layers").glob("*.safetensors"))) == 1
+    monkeypatch.setattr(qm, "_ACCUM_DTYPE", "float64")
+    with pytest.raises(InputError, match="belongs to another run"):
+        quantize_model(models / "tiny.gguf", out, fmt="gguf-q4_0", factors="input", **FAST)
+    assert not out.exists()
+    monkeypatch.undo()   # the same dtype again: the finished layer is resumed
+    res = quantize_model(models / "tiny.gguf", out, fmt="gguf-q4_0", factors="input", **FAST)
+    assert res["resumed"] == 1 and out.is_file()
+
+
 def test_a_work_folder_in_use_is_refused(models, tmp_path, capsys):
     from bakron.distributed._outputs import OutputLock
 
