@@ -140,6 +140,93 @@ def run(args):
             f"{k} {figs[k]['kl']:.4f}±{figs[k]['kl_text_sem']:.4f}" for k in figs)
             + f"  ({wall:.0f} s)")
         _append(args.out, row)
+        if args.save_weights:   # for ``compose``: the rounded weights of this run
+            d = Path(args.save_weights)
+            d.mkdir(parents=True, exist_ok=True)
+            stem = _weights_stem(calib, seqs, bits, inc, factors)
+            np.savez(d / f"{stem}.npz", **{n: np.asarray(w) for n, w in
+                                           res["weights"].items()})
+            (d / f"{stem}.json").write_text(json.dumps(row))
+
+
+def _weights_stem(calib, seqs, bits, inc, factors):
+    return f"{factors}-{calib}-{seqs}x-{bits}b-inc{inc}"
+
+
+def compose(args):
+    """Models made of two runs' layers: ``--factors global``'s rounded weights for some layer
+    kinds and ``--factors input``'s for the others (each layer is rounded on its own from
+    factors of the original model, so such a model is what a per-kind choice of the method
+    would give). For every pair of runs of the same calibration, width and rotations saved by
+    ``run --save-weights``: all input, all global, each kind alone global, and all but each
+    kind global; one row each, scored like ``run``'s."""
+    from bakron.io import array_namespace as namespace
+    from bakron.models import load_llm
+    from bakron.models.llm.config import LINEAR_KINDS
+
+    xp, _ = namespace(args.device)
+    lm = load_llm("smollm2", xp=xp)
+    ref = _reference(lm, args.heldout_seed)
+    d = Path(args.weights)
+    for meta in sorted(d.glob("global-*.json")):
+        two = json.loads(meta.read_text())
+        stem = meta.stem.removeprefix("global-")
+        if not (d / f"input-{stem}.npz").exists():
+            say(f"{meta.name}: no input run saved beside it; skipped")
+            continue
+        W = {f: dict(np.load(d / f"{f}-{stem}.npz")) for f in ("input", "global")}
+        sets = [(), LINEAR_KINDS]
+        if args.sets in ("both", "alone"):
+            sets += [(k,) for k in LINEAR_KINDS]
+        if args.sets in ("both", "but"):
+            sets += [tuple(j for j in LINEAR_KINDS if j != k) for k in LINEAR_KINDS]
+        for kinds in sets:
+            weights = {n: xp.asarray(W["global" if n.split(".")[-1] in kinds else "input"][n])
+                       for n in W["input"]}
+            figs = ref.score(lm.with_weights(weights))
+            row = {k: two[k] for k in ("format", "calib", "seqs", "tokens", "bits",
+                                       "incoherence", "labels", "shrink_out", "damp_out",
+                                       "refine", "tile", "damp", "out_estimator", "rule")}
+            row.update({"global_kinds": list(kinds), "device": args.device,
+                        **({"host": args.host} if args.host else {}),
+                        **{f"{k}_{m}": figs[k][m] for k in figs
+                           for m in ("kl", "kl_text_sem", "kl_per_text")}})
+            say(f"{stem} global for {','.join(kinds) or 'none'}: " + "  ".join(
+                f"{k} {figs[k]['kl']:.4f}" for k in figs))
+            _append(args.out, row)
+
+
+def compose_table(args):
+    """Per composition (pooled over the rotation seeds of each width): the ratio of its mean
+    KLs to all-input's and to all-global's (paired by seed and text), ± s.e."""
+    from bakron.models.llm.config import LINEAR_KINDS
+
+    rows = json.loads(Path(args.results[0]).read_text())
+    for f in args.results[1:]:
+        rows += json.loads(Path(f).read_text())
+    by = {}
+    for r in rows:
+        by.setdefault((r["bits"], r["incoherence"], r.get("host")), {})[
+            tuple(r["global_kinds"])] = r
+    print("| bits | global for | seeds | " + " | ".join(
+        f"{t} ÷ input | {t} ÷ global" for t in TEXTS) + " |")
+    print("|---" * (3 + 2 * len(TEXTS)) + "|")
+    for bits in sorted({k[0] for k in by}):
+        runs = [v for k, v in sorted(by.items()) if k[0] == bits
+                and () in v and tuple(LINEAR_KINDS) in v]
+        for kinds in [k for k in runs[0] if k != ()] if runs else []:
+            have = [v for v in runs if kinds in v]
+            cells = []
+            for t in TEXTS:
+                for base in ((), tuple(LINEAR_KINDS)):
+                    a = [x for v in have for x in v[kinds][f"{t}_kl_per_text"]]
+                    b = [x for v in have for x in v[base][f"{t}_kl_per_text"]]
+                    q, se = ratio(a, b)
+                    cells.append(f"{q:.3f} ± {se:.3f}")
+            name = ("all" if kinds == tuple(LINEAR_KINDS) else
+                    "all but " + next(k for k in LINEAR_KINDS if k not in kinds)
+                    if len(kinds) == len(LINEAR_KINDS) - 1 else ", ".join(kinds))
+            print(f"| {bits} | {name} | {len(have)} | " + " | ".join(cells) + " |")
 
 
 def ratio(a, b):
@@ -271,6 +358,8 @@ def table(args):
 
 
 def main(argv=None):
+    from bakron.factors import OUT_ESTIMATORS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
@@ -306,7 +395,7 @@ def main(argv=None):
                    help="square solver tiles (default 16, the command's)")
     r.add_argument("--damp", type=float, default=0.01,
                    help="relative damping of H_in, both methods (default 0.01, the command's)")
-    r.add_argument("--out-estimator", choices=("mean", "crossfit"), default="mean",
+    r.add_argument("--out-estimator", choices=OUT_ESTIMATORS, default="mean",
                    help="H_out from all tokens (mean, the default here) or cross-fitted "
                         "halves (crossfit, the command's default for rotated layers)")
     r.add_argument("--heldout-seed", type=int, default=1000)
@@ -314,6 +403,20 @@ def main(argv=None):
     r.add_argument("--host", default=None,
                    help="a note on the machine kept in each row (its wall time is then not "
                         "shown in the table)")
+    r.add_argument("--save-weights", default=None, metavar="DIR",
+                   help="keep each run's rounded weights in DIR (for compose)")
+    c = sub.add_parser("compose", help="models of global layers of some kinds, input layers of "
+                                       "the others (runs saved with --save-weights)")
+    c.add_argument("--weights", required=True, metavar="DIR")
+    c.add_argument("--out", required=True)
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--heldout-seed", type=int, default=1000)
+    c.add_argument("--host", default=None)
+    c.add_argument("--sets", choices=("both", "alone", "but"), default="both",
+                   help="compositions besides all input and all global: each kind alone "
+                        "global, all but each kind global, or both (default)")
+    t = sub.add_parser("compose-table")
+    t.add_argument("results", nargs="+")
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
     t = sub.add_parser("pool", help="the rotation seeds of each setting pooled")
@@ -322,7 +425,8 @@ def main(argv=None):
     t.add_argument("--rule", default=None,
                    help="only this H_out column (e.g. 'damp 3' for 'auto: damp 3')")
     args = p.parse_args(argv)
-    {"run": run, "table": table, "pool": pool}[args.cmd](args)
+    {"run": run, "table": table, "pool": pool, "compose": compose,
+     "compose-table": compose_table}[args.cmd](args)
 
 
 if __name__ == "__main__":
