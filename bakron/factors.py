@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _xp
+from ._lib.symmetric import symmetrize
 from ._validate import (check_damp, check_finite, check_int, check_matrix, check_real_dtype,
                         check_symmetric, native)
 
@@ -186,7 +187,7 @@ def prepare_factor(H, block: int, *, damp: float = 0.01, max_tries: int = 8,
         H64 = H64 * math.ldexp(1.0, -p2)
     if check_symmetry:
         check_symmetric(xp, H64, name)
-    H64 = (H64 + H64.T) / 2.0
+    H64 = symmetrize(xp, H64)
     diag = xp.linalg.diagonal(H64)
     if bool(xp.any(diag < 0)):
         raise ValueError(f"{name} has negative diagonal entries: it is not positive "

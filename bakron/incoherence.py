@@ -40,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _xp
+from ._lib.symmetric import symmetrize
 
 __all__ = ["Rotation", "Incoherence", "FORMATS_WITHOUT_ROTATIONS", "refusal"]
 
@@ -202,7 +203,7 @@ class Incoherence:
         xp = _xp.namespace(H)
         A = R.apply(self._f64(xp, H))                                      # R H
         B = R.apply(xp.permute_dims(A, (1, 0)))                            # R (R H)ᵀ = R H Rᵀ
-        B = (B + xp.permute_dims(B, (1, 0))) / 2                           # exactly symmetric
+        B = symmetrize(xp, B)                                              # exactly symmetric
         return xp.astype(B, H.dtype)
 
     def rotate_in(self, H_in):

@@ -5,6 +5,8 @@
   fsync and rename of bakron's outputs);
 - :mod:`._lib.packing`: the packed-triangle layout of symmetric matrices (factor files);
 - :mod:`._lib.special`: erf and the exact GELU in any array namespace;
+- :mod:`._lib.symmetric`: ``(H + Hᵀ) / 2``, ``max |H - Hᵀ|`` and mirroring a triangle, tile by
+  tile (bitwise the plain expressions, several times faster on wide numpy factors);
 - :mod:`._lib.proxy`: the proxy-error metrics of a rounded layer;
 - :mod:`._lib.threads`: BLAS thread limits (threadpoolctl) and the cores the process may use.
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from .. import _xp
 from .._lib import packing as _packing
+from .._lib.symmetric import mirror_upper
 from .._validate import check_finite, check_real_dtype
 
 #: the upper triangle row by row: accepted in a state's "packing" entry for states packed that way
@@ -40,10 +41,6 @@ __all__ = ["FactorAccumulator", "token_quadratic", "sequence_mix", "frobenius_sq
 #: rows per block of the blockwise triangle updates (numpy): big enough that the Python loop
 #: is negligible, small enough that a block's rows stay in cache
 _BLOCK = 256
-#: side of the square tiles of the in-place mirror (numpy): two tiles fit in the L1/L2 cache,
-#: so the transposed copy reads and writes whole cache lines (about twice as fast as 256-row
-#: blocks for SmolLM2's factor sizes)
-_TILE = 64
 
 
 def _float_dtype(xp, dtype):
@@ -107,7 +104,7 @@ class FactorAccumulator:
                              "factor")
         if self._lower_stale:
             S = self._sum
-            self._sum = _mirror_upper(self.xp, S)
+            self._sum = mirror_upper(self.xp, S)
             self._lower_stale = False
         return self._sum
 
@@ -303,7 +300,7 @@ class FactorAccumulator:
                              "with positive weight")
         xp, H = self.xp, self._sum
         if self._lower_stale:
-            H = _mirror_upper(xp, H)
+            H = mirror_upper(xp, H)
         # (S + Sᵀ)·(0.5/x) of value() is S·(1/x) exactly: S is symmetric, halving is exact
         H *= 1.0 / (self.weight * self.divisor)
         self._sum, self._lower_stale = None, False
@@ -386,24 +383,6 @@ def _add_upper(xp, S, G):
     n = S.shape[0]
     for i in range(0, n, _BLOCK):
         np.add(S[i:i + _BLOCK, i:], G[i:i + _BLOCK, i:], out=S[i:i + _BLOCK, i:])
-
-
-def _mirror_upper(xp, S):
-    """``S`` with its lower triangle replaced by the transposed upper one (numpy: in place,
-    block by block; elsewhere a new array)."""
-    if not _xp.is_numpy(xp):
-        return xp.triu(S) + xp.matrix_transpose(xp.triu(S, k=1))
-    import numpy as np
-
-    n = S.shape[0]
-    for i in range(0, n, _TILE):
-        j = min(i + _TILE, n)
-        d = S[i:j, i:j]
-        d[...] = np.triu(d) + np.triu(d, 1).T
-        for k in range(j, n, _TILE):   # tile by tile: a transposed copy that stays in cache
-            m = min(k + _TILE, n)
-            S[k:m, i:j] = S[i:j, k:m].T
-    return S
 
 
 def _syrk(dtype):

@@ -10,6 +10,8 @@ regularized covariance matrix estimator"). :func:`crossfit` averages the two way
 """
 from __future__ import annotations
 
+from .._lib.symmetric import symmetrize
+
 __all__ = ["crossfit"]
 
 
@@ -42,4 +44,4 @@ def crossfit(xp, H_a, w_a: float, H_b, w_b: float, *, dtype=None):
                   axis=1)
     H = V @ xp.matrix_transpose(V)   # (one symmetric rank-2m product: numpy's syrk)
     H = xp.astype(H, out) if H.dtype != out else H
-    return (H + xp.matrix_transpose(H)) * 0.5
+    return symmetrize(xp, H)   # ((H + Hᵀ) / 2: bitwise (H + Hᵀ) · 0.5)
