@@ -3,6 +3,8 @@
 - :mod:`._lib.errors`: the error classes shared by the readers, the CLI and the Dask runner;
 - :mod:`._lib.fs`: atomic file writes, write-once publication, fsync (every temporary file,
   fsync and rename of bakron's outputs);
+- :mod:`._lib.lapack`: eigendecompositions of float32 numpy matrices in float32 (LAPACK's
+  ``ssyevd`` through scipy, the GIL released);
 - :mod:`._lib.packing`: the packed-triangle layout of symmetric matrices (factor files);
 - :mod:`._lib.special`: erf and the exact GELU in any array namespace;
 - :mod:`._lib.symmetric`: ``(H + Hᵀ) / 2``, ``max |H - Hᵀ|`` and mirroring a triangle, tile by

@@ -10,6 +10,7 @@ regularized covariance matrix estimator"). :func:`crossfit` averages the two way
 """
 from __future__ import annotations
 
+from .._lib.lapack import eigh
 from .._lib.symmetric import symmetrize
 
 __all__ = ["crossfit"]
@@ -18,7 +19,7 @@ __all__ = ["crossfit"]
 def _one_way(xp, H_fit, H_measure, weight):
     """``√weight U diag(√λ)`` with ``λ_i = u_iᵀ H_measure u_i`` for the eigenvectors ``u_i``
     of ``H_fit``: the factor ``V`` of this way's ``weight · U diag(λ) Uᵀ = V Vᵀ``."""
-    _, U = xp.linalg.eigh(H_fit)   # (numpy's releases the GIL: layers run in threads)
+    _, U = eigh(xp, H_fit)   # (in H_fit's precision, the GIL released: layers run in threads)
     lam = xp.sum(U * (H_measure @ U), axis=0)   # u_iᵀ H_measure u_i >= 0 (PSD)
     return U * xp.sqrt(xp.clip(lam, 0.0, None) * weight)
 
