@@ -197,36 +197,40 @@ def compose(args):
 
 
 def compose_table(args):
-    """Per composition (pooled over the rotation seeds of each width): the ratio of its mean
-    KLs to all-input's and to all-global's (paired by seed and text), ± s.e."""
+    """Per composition, the rotation seeds of each width pooled: the ratio of its mean KLs to
+    all input's on every text and to all global's on ``gen`` (paired by seed and text), ±
+    its standard error."""
     from bakron.models.llm.config import LINEAR_KINDS
 
-    rows = json.loads(Path(args.results[0]).read_text())
-    for f in args.results[1:]:
+    rows = []
+    for f in args.results:
         rows += json.loads(Path(f).read_text())
     by = {}
     for r in rows:
         by.setdefault((r["bits"], r["incoherence"], r.get("host")), {})[
             tuple(r["global_kinds"])] = r
-    print("| bits | global for | seeds | " + " | ".join(
-        f"{t} ÷ input | {t} ÷ global" for t in TEXTS) + " |")
-    print("|---" * (3 + 2 * len(TEXTS)) + "|")
+    every = tuple(LINEAR_KINDS)
+    print("| bits | two-sided for | seeds | " + " | ".join(f"{t} ÷ input" for t in TEXTS)
+          + " | gen ÷ all two-sided |")
+    print("|---" * (4 + len(TEXTS)) + "|")
     for bits in sorted({k[0] for k in by}):
-        runs = [v for k, v in sorted(by.items()) if k[0] == bits
-                and () in v and tuple(LINEAR_KINDS) in v]
-        for kinds in [k for k in runs[0] if k != ()] if runs else []:
+        runs = [v for k, v in sorted(by.items()) if k[0] == bits and () in v and every in v]
+        for kinds in [every] + [(k,) for k in LINEAR_KINDS] + [
+                tuple(j for j in LINEAR_KINDS if j != k) for k in LINEAR_KINDS]:
             have = [v for v in runs if kinds in v]
+            if not have:
+                continue
             cells = []
-            for t in TEXTS:
-                for base in ((), tuple(LINEAR_KINDS)):
-                    a = [x for v in have for x in v[kinds][f"{t}_kl_per_text"]]
-                    b = [x for v in have for x in v[base][f"{t}_kl_per_text"]]
-                    q, se = ratio(a, b)
-                    cells.append(f"{q:.3f} ± {se:.3f}")
-            name = ("all" if kinds == tuple(LINEAR_KINDS) else
-                    "all but " + next(k for k in LINEAR_KINDS if k not in kinds)
-                    if len(kinds) == len(LINEAR_KINDS) - 1 else ", ".join(kinds))
-            print(f"| {bits} | {name} | {len(have)} | " + " | ".join(cells) + " |")
+            for t, base in [(t, ()) for t in TEXTS] + [("gen", every)]:
+                a = [x for v in have for x in v[kinds][f"{t}_kl_per_text"]]
+                b = [x for v in have for x in v[base][f"{t}_kl_per_text"]]
+                q, se = ratio(a, b)
+                cells.append("—" if kinds == base else f"{q:.2f} ± {se:.2f}")
+            name = ("every kind" if kinds == every else f"`{kinds[0]}` alone"
+                    if len(kinds) == 1 else "all but `"
+                    + next(k for k in LINEAR_KINDS if k not in kinds) + "`")
+            seeds = ", ".join(str(v[kinds]["incoherence"]) for v in have)
+            print(f"| {bits} | {name} | {seeds} | " + " | ".join(cells) + " |")
 
 
 def ratio(a, b):
