@@ -787,8 +787,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             options["labels"] = labels
         if out_estimator == "crossfit":   # (default "mean": the old key)
             options["out_estimator"] = out_estimator
-        if factors != "rtn":   # the factors' sums are in this dtype (a layer of float64 sums
-            options["accum_dtype"] = _ACCUM_DTYPE   # is another layer)
+        if factors != "rtn":   # (layers solved from sums in another dtype: another run's)
+            options["accum_dtype"] = _ACCUM_DTYPE
         # sampled calibration text is a function of the model (whose weights the layer keys
         # hold) and these settings: a changed model is this run with stale layers
         calib_id = seqs if calib not in GENERATED_CALIB or not seqs else {

@@ -141,12 +141,14 @@ def run(args):
             + f"  ({wall:.0f} s)")
         _append(args.out, row)
         if args.save_weights:   # for ``compose``: the rounded weights of this run
+            from bakron._lib.fs import atomic_path, atomic_write_json
+
             d = Path(args.save_weights)
             d.mkdir(parents=True, exist_ok=True)
             stem = _weights_stem(calib, seqs, bits, inc, factors)
-            np.savez(d / f"{stem}.npz", **{n: np.asarray(w) for n, w in
-                                           res["weights"].items()})
-            (d / f"{stem}.json").write_text(json.dumps(row))
+            with atomic_path(d / f"{stem}.npz") as tmp, open(tmp, "wb") as fh:
+                np.savez(fh, **{n: np.asarray(w) for n, w in res["weights"].items()})
+            atomic_write_json(d / f"{stem}.json", row)
 
 
 def _weights_stem(calib, seqs, bits, inc, factors):

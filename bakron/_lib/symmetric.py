@@ -19,7 +19,7 @@ TILE = 64
 
 
 def _tiles(n: int):
-    """``(i, j)`` row ranges of the tiles on and above the diagonal: ``(a, b, c, d)`` for
+    """The tiles on and above the diagonal of an ``n x n`` matrix, as ``(a, b, c, d)`` for
     ``H[a:b, c:d]`` with ``c >= a``."""
     for a in range(0, n, TILE):
         b = min(a + TILE, n)
