@@ -35,6 +35,7 @@ import numpy as np
 
 from . import _safetensors
 from ._lib import packing as _packing
+from ._lib.symmetric import symmetrize
 from ._validate import check_symmetric
 
 __all__ = [
@@ -64,7 +65,7 @@ def pack_upper(H) -> np.ndarray:
         raise ValueError(f"pack_upper needs a non-empty square matrix, got shape {H.shape}")
     if H.dtype.kind != "f":
         raise TypeError(f"pack_upper needs a real float matrix, got dtype {H.dtype}")
-    return np.ascontiguousarray(_packing.pack_upper(np, (H + H.T) / 2))
+    return np.ascontiguousarray(_packing.pack_upper(np, symmetrize(np, H)))
 
 
 def unpack_upper(v, n: int | None = None) -> np.ndarray:

@@ -59,9 +59,9 @@ def _ssyevd_eigh(H):
     w = np.empty(n, dtype=H.dtype)
     N, info = ctypes.c_int(n), ctypes.c_int(0)
     size, isize = np.empty(1, dtype=H.dtype), np.empty(1, dtype=np.intc)
-    minus1, minus1i = ctypes.c_int(-1), ctypes.c_int(-1)
-    f(b"V", b"L", N, A.ctypes.data, N, w.ctypes.data, size.ctypes.data, minus1,
-      isize.ctypes.data, minus1i, info)   # the workspace query
+    query = ctypes.c_int(-1)   # (lwork = liwork = -1: the workspace query)
+    f(b"V", b"L", N, A.ctypes.data, N, w.ctypes.data, size.ctypes.data, query,
+      isize.ctypes.data, query, info)
     if info.value != 0:   # pragma: no cover - a query does not fail
         return None
     lwork, liwork = int(size[0]), int(isize[0])

@@ -16,6 +16,8 @@ fast on large layers), sums in float64.
 """
 from __future__ import annotations
 
+from .symmetric import symmetrize
+
 __all__ = ["ProxyMetrics", "SIDES"]
 
 #: "two": under H_O ⊗ H_I (equal to "one" when there is no H_O); "one": under I ⊗ H_I
@@ -46,14 +48,14 @@ class ProxyMetrics:
         self.dtype = xp.float64 if dtype is None else dtype
         self.W = xp.astype(W, self.dtype)
         Hi = xp.astype(H_in, self.dtype)
-        self.H_in = (Hi + xp.matrix_transpose(Hi)) / 2
+        self.H_in = symmetrize(xp, Hi)
         self.H_out = self.h_out_diag = None
         if H_out is not None:
             Ho = xp.astype(H_out, self.dtype)
             if len(Ho.shape) == 1:
                 self.h_out_diag = Ho
             else:
-                self.H_out = (Ho + xp.matrix_transpose(Ho)) / 2
+                self.H_out = symmetrize(xp, Ho)
         self._den: dict = {}
         self.products = 0  # matrix products computed so far (for tests and reports)
 
