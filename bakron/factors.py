@@ -265,7 +265,7 @@ def auto_regularization(width: int, tokens: int, *, rotated: bool = False,
     check_int(width, "width", minimum=1)
     check_int(tokens, "tokens", minimum=1)
     if estimator not in OUT_ESTIMATORS:
-        raise ValueError(f"estimator must be 'mean' or 'crossfit', got {estimator!r}")
+        raise ValueError(f"estimator must be one of {OUT_ESTIMATORS}, got {estimator!r}")
     if not rotated:
         return 0.0, AUTO_DAMP_OUT
     return 0.0, AUTO_DAMP_OUT_CROSSFIT if estimator == "crossfit" else AUTO_DAMP_OUT_ROTATED

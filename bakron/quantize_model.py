@@ -959,7 +959,7 @@ def _out_estimator(out_estimator, factors, incoherence) -> str:
     from .factors import OUT_ESTIMATORS
 
     if out_estimator != "auto" and out_estimator not in OUT_ESTIMATORS:
-        raise InputError(f"out_estimator must be 'auto', 'mean' or 'crossfit', got "
+        raise InputError(f"out_estimator must be 'auto' or one of {OUT_ESTIMATORS}, got "
                          f"{out_estimator!r}")
     if factors in ("rtn", "input"):   # (no H_out)
         return "mean"

@@ -137,3 +137,6 @@ def test_shrink_moves_toward_the_diagonal():
         assert auto_regularization(m, n, rotated=True) == (0.0, 3.0)   # 3 for rotated layers
     with pytest.raises(ValueError, match="tokens"):
         auto_regularization(10, 0)
+    assert auto_regularization(10, 10, rotated=True, estimator="crossfit") == (0.0, 0.1)
+    with pytest.raises(ValueError, match=r"estimator must be one of \('mean', 'crossfit'\)"):
+        auto_regularization(10, 10, estimator="median")

@@ -675,7 +675,7 @@ def _out_copies(out_estimator) -> int:
     """The ``m x m`` sums a layer's ``H_out`` needs: 2 for a cross-fitted one (its halves),
     1 for the mean; ``ValueError`` for an unknown estimator."""
     if out_estimator not in OUT_ESTIMATORS:
-        raise ValueError(f"out_estimator must be 'mean' or 'crossfit', got {out_estimator!r}")
+        raise ValueError(f"out_estimator must be one of {OUT_ESTIMATORS}, got {out_estimator!r}")
     return 2 if out_estimator == "crossfit" else 1
 
 
