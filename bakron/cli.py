@@ -416,12 +416,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="The mean per-token KL(original || quantized) of the next-token "
         "distributions, with its standard error over texts, the perplexity and the top-1 "
         "agreement, on the first Lee news documents and on held-out sentences of the Python "
-        "Language Reference (the demo's evaluation texts).")
+        "Language Reference (the demo's evaluation texts), or on your own text files "
+        "(--text).")
     ev.add_argument("quantized", metavar="QUANTIZED", nargs="+",
                     help="quantized model(s): a folder written by quantize-model --format "
                          "float or gptq, or a GGUF file")
     ev.add_argument("--reference", required=True, metavar="MODEL",
                     help="the original: smollm2, a .gguf file or a Hugging Face folder")
+    ev.add_argument("--text", metavar="FILE", action="append", default=None,
+                    help="evaluate on this UTF-8 text file instead of the built-in texts "
+                         "(repeat for several; each is tokenized whole and cut into windows "
+                         "of --window tokens, the texts of the standard error)")
+    ev.add_argument("--window", type=_positive_int, default=None, metavar="N",
+                    help="tokens per window of a --text file (default 64, as the built-in "
+                         "texts)")
     ev.add_argument("--json", metavar="FILE", default=None,
                     help="also write the figures to FILE (JSON)")
     ev.set_defaults(func=_cmd_evaluate)
@@ -680,13 +688,16 @@ def _with_notes(msg: str, exc: BaseException, default: str | None = None) -> str
 def _cmd_evaluate(args) -> int:
     """``bakron evaluate``: see :mod:`bakron.models.llm.evaluation`."""
     from .models.llm import ChecksumError, ModelUnavailableError
-    from .models.llm.evaluation import compare, evaluation_texts
+    from .models.llm.evaluation import compare, evaluation_texts, file_texts
 
+    if args.text is None and args.window is not None:
+        raise UsageError("--window only applies with --text")
     try:
         from .models import load_llm
 
         ref = load_llm(args.reference)
-        texts = evaluation_texts(ref)
+        texts = (file_texts(ref, args.text, window=args.window or 64) if args.text
+                 else evaluation_texts(ref))
         models = {}
         for path in args.quantized:
             if not os.path.exists(path):
@@ -702,10 +713,11 @@ def _cmd_evaluate(args) -> int:
              f"documents only")
     for key, src in res["sources"].items():
         print(f"{key}: {src}; original perplexity {res['original'][key]['perplexity']:.3f}")
-    print(f"{'model':40s} {'set':5s} {'KL':>8s} {'s.e.':>7s} {'ppl':>8s} {'top-1':>6s}")
+    w = max([5, *map(len, res["sources"])])
+    print(f"{'model':40s} {'set':{w}s} {'KL':>8s} {'s.e.':>7s} {'ppl':>8s} {'top-1':>6s}")
     for label, sets in res["models"].items():
         for key, e in sets.items():
-            print(f"{label[-40:]:40s} {key:5s} {e['kl']:8.4f} {e['kl_text_sem']:7.4f} "
+            print(f"{label[-40:]:40s} {key:{w}s} {e['kl']:8.4f} {e['kl_text_sem']:7.4f} "
                   f"{e['perplexity']:8.3f} {e['top1_agreement']:6.3f}")
     if args.json:
         from ._lib.fs import atomic_write_json

@@ -154,17 +154,11 @@ def _calibration_documents(calib) -> tuple[list[str], str]:
         return cal_all, (f"the Python Language Reference (pydoc_data), calibration topics "
                          f"({len(cal_all)} sentences; {len(held)} of held-out topics left "
                          f"out)")
-    path = Path(calib)
-    if not path.is_file():
-        raise InputError(f"--calib {calib}: no such file (give a text file or 'builtin')")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"--calib {calib}: not UTF-8 text ({exc})") from None
-    docs = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n") if p.strip()]
-    if not docs:
-        raise InputError(f"--calib {calib}: the file holds no text")
-    return docs, f"{path} ({len(docs)} paragraphs)"
+    from .models.textdata import read_text_file
+
+    text = read_text_file(calib, "--calib")
+    docs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    return docs, f"{calib} ({len(docs)} paragraphs)"
 
 
 def _builtin_split():

@@ -394,6 +394,61 @@ def test_cli_errors(models, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_cli_evaluate_on_text_files(models, tmp_path, capsys):
+    """``bakron evaluate --text``: each file tokenized whole and cut into windows; the KL is
+    0 against the original itself and equals ``perplexity_and_kl``'s (an independent
+    per-token mean) for a quantized model; bad files and options exit 2 naming them."""
+    prose = " ".join(f"Sentence {i} of the held-out text says something else." for i in range(40))
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "held.txt").write_text(prose, encoding="utf-8")
+    ref_path = str(models / "hf32")
+    q = tmp_path / "q"
+    quantize_model(models / "hf32", q, fmt="float", factors="rtn", bits=3, **FAST)
+    report = tmp_path / "eval.json"
+    rc = main(["evaluate", ref_path, str(q), "--reference", ref_path, "--window", "16",
+               "--text", str(tmp_path / "a" / "held.txt"), "--text",
+               str(tmp_path / "b" / "held.txt"), "--json", str(report)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = json.loads(report.read_text())
+    assert set(res["sources"]) == {"held", "held-2"}    # two files of one stem
+    ref = load_llm(ref_path)
+    ids = ref.tokenize([prose])[0]
+    windows = [ids[i:i + 16] for i in range(0, len(ids), 16)]
+    windows = [w for w in windows if len(w) >= 2]
+    assert f"{len(windows)} windows" in res["sources"]["held"]
+    same, quant = res["models"][ref_path], res["models"][str(q)]
+    assert same["held"]["kl"] == 0.0 and same["held"]["top1_agreement"] == 1.0
+    want = perplexity_and_kl(ref, load_llm(q), windows)
+    np.testing.assert_allclose(quant["held"]["perplexity"], want["perplexity"], rtol=1e-5)
+    # evaluate's KL is the mean over every position, the last of each window included
+    kl = n = 0
+    for (rows, ids_r, lr), (_, _, lq) in zip(reference_log_probs(ref, windows),
+                                             reference_log_probs(load_llm(q), windows)):
+        for r in range(len(rows)):
+            T = int((ids_r[r] >= 0).sum())
+            kl += float((np.exp(lr[r, :T]) * (lr[r, :T] - lq[r, :T])).sum())
+            n += T
+    np.testing.assert_allclose(quant["held"]["kl"], kl / n, rtol=1e-5)
+    assert quant["held-2"]["kl"] == quant["held"]["kl"] > 0
+    assert "held-2" in out and "windows" in out
+
+    def fails(*args, match):
+        rc = main(["evaluate", str(q), "--reference", ref_path, *args])
+        err = capsys.readouterr().err
+        assert rc == 2 and match in err, err
+
+    fails("--text", str(tmp_path / "none.txt"), match="--text " + str(tmp_path / "none.txt"))
+    (tmp_path / "short.txt").write_text("Two words.", encoding="utf-8")
+    fails("--text", str(tmp_path / "short.txt"), match="fewer than two windows")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    fails("--text", str(tmp_path / "latin1.txt"), match="not UTF-8")
+    fails("--window", "8", match="--window only applies with --text")
+    fails("--text", str(tmp_path / "a" / "held.txt"), "--window", "100000",
+          match="longer than the model's context")
+
+
 # -- SmolLM2 (the built-in model; skipped when it cannot be fetched) ---------------------------
 
 

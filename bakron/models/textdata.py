@@ -1,4 +1,4 @@
-"""Text for calibration and evaluation of the sentence encoder.
+"""Text for calibration and evaluation.
 
 * :func:`python_reference_sentences` — prose sentences of the Python Language Reference that
   ships with CPython (``pydoc_data.topics``, PSF licence): no download, always there.
@@ -11,6 +11,8 @@
   test data of the gensim 4.4.0 wheel (``gensim/test/test_data/lee.cor`` and
   ``similarities0-1.txt``), fetched with ``pip download --no-deps`` into the cache. It is never
   committed to this repository; without network it is simply unavailable.
+* :func:`read_text_file` — a user's UTF-8 text file (``quantize-model --calib``,
+  ``evaluate --text``), with errors that name the option and the file.
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ import zipfile
 
 import numpy as np
 
+from .._lib.errors import InputError
 from .minilm import ModelUnavailableError, cache_dir, pip_download
 
 __all__ = ["python_reference_sentences", "calibration_and_heldout", "reference_split",
-           "fetch_lee",
+           "fetch_lee", "read_text_file",
            "LeeCorpus", "LEE_SOURCE"]
 
 LEE_SOURCE = ("Lee, Pincombe & Welsh (2005), 'An empirical evaluation of models of text "
@@ -37,6 +40,22 @@ LEE_SOURCE = ("Lee, Pincombe & Welsh (2005), 'An empirical evaluation of models 
               "cp311 manylinux_2_28_x86_64 wheel, whatever the host) and never redistributed")
 
 _SENT_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
+
+
+def read_text_file(path, option: str) -> str:
+    """The text of the UTF-8 file ``path`` with ``\\r\\n`` line ends made ``\\n``;
+    :class:`~bakron._lib.errors.InputError` naming ``option`` and the file when it is missing,
+    not UTF-8 or holds only white space."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise InputError(f"{option} {path}: no such file (give a UTF-8 text file)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{option} {path}: not UTF-8 text ({exc})") from None
+    if not text.strip():
+        raise InputError(f"{option} {path}: the file holds no text")
+    return text.replace("\r\n", "\n")
 
 
 def _paragraphs(text: str):

@@ -6,6 +6,7 @@ error over texts (the measure of ``bakron demo --model smollm2`` and ``bakron ev
   corpus (another domain than the calibration text) and held-out sentences of the Python
   Language Reference (topics never used for calibration by the demo or by
   ``quantize-model --calib builtin``), each cut to ``max_tokens`` tokens;
+- :func:`file_texts` — a user's own held-out text files, each cut into windows of tokens;
 - :class:`EvalSet` — right-padded batches of token sequences and the bookkeeping per text;
 - :func:`evaluate` — run a chain of stages on an :class:`EvalSet` (NLL, perplexity; with a
   reference: KL, its standard error over texts, top-1 agreement);
@@ -14,10 +15,11 @@ error over texts (the measure of ``bakron demo --model smollm2`` and ``bakron ev
 from __future__ import annotations
 
 import math
+import pathlib
 
 import numpy as np
 
-__all__ = ["evaluation_texts", "EvalSet", "evaluate", "compare", "sem"]
+__all__ = ["evaluation_texts", "file_texts", "EvalSet", "evaluate", "compare", "sem"]
 
 
 def sem(x) -> float:
@@ -59,6 +61,39 @@ def evaluation_texts(lm, *, cache=None, n_lee: int = 16, n_docs: int = 24,
         _, held = calibration_and_heldout(n_calibration, n_docs, seed=seed)
         out["docs"] = (seqs(held), f"{n_docs} held-out sentences of the Python Language "
                                    f"Reference (topics never used for calibration)")
+    return out
+
+
+def file_texts(lm, paths, *, window: int = 64) -> dict:
+    """``{name: (sequences, source)}`` for each UTF-8 text file of ``paths``, in the form of
+    :func:`evaluation_texts`: the whole file tokenized and cut into consecutive windows of
+    ``window`` tokens (a last, shorter window is kept if it has at least 2 tokens), each
+    window one text of the standard error. ``name`` is the file's stem (``-2``, ``-3``, ...
+    appended when two files share one). :class:`~bakron._lib.errors.InputError` names a file
+    that is missing, not UTF-8, empty, or too short for two windows."""
+    from ..._lib.errors import InputError
+    from ..._validate import check_int
+    from ..textdata import read_text_file
+
+    window = check_int(window, "window", minimum=2)
+    if window > lm.config.max_positions:
+        raise InputError(f"--window {window}: longer than the model's context of "
+                         f"{lm.config.max_positions} tokens")
+    out: dict = {}
+    for path in paths:
+        ids = lm.tokenize([read_text_file(path, "--text")])[0]
+        seqs = [ids[i:i + window] for i in range(0, len(ids), window)]
+        seqs = [t for t in seqs if len(t) >= 2]
+        if len(seqs) < 2:
+            raise InputError(f"--text {path}: {len(ids)} tokens, fewer than two windows of "
+                             f"{window} (a standard error needs two texts)")
+        stem = pathlib.Path(path).stem or "text"
+        name, k = stem, 1
+        while name in out:
+            k += 1
+            name = f"{stem}-{k}"
+        out[name] = (seqs, f"{path}: {len(ids):,} tokens in {len(seqs)} windows of at most "
+                           f"{window}")
     return out
 
 
