@@ -707,10 +707,16 @@ def _cmd_evaluate(args) -> int:
         raise Unavailable(f"the model is not available: {exc}") from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    res = compare(ref, models, texts=texts)
-    if "lee_error" in res:
-        _err(f"bakron evaluate: the Lee corpus is unavailable ({res['lee_error']}); held-out "
+    if "lee_error" in texts:
+        _err(f"bakron evaluate: the Lee corpus is unavailable ({texts['lee_error']}); held-out "
              f"documents only")
+    tokens = sum(len(t) for v in texts.values() if isinstance(v, tuple) for t in v[0])
+    _err(f"bakron evaluate: {len(models)} model(s) and the original on {tokens:,} tokens")
+
+    def progress(label, i, n, seconds):
+        _err(f"  {'the original' if label is None else f'{label} ({i}/{n})'}: {seconds:.0f} s")
+
+    res = compare(ref, models, texts=texts, progress=progress)
     for key, src in res["sources"].items():
         print(f"{key}: {src}; original perplexity {res['original'][key]['perplexity']:.3f}")
     w = max([5, *map(len, res["sources"])])

@@ -179,8 +179,12 @@ def test_compare_models_and_weights():
     W = lm.linear_weight("blk.1.ffn_up")
     before = np.array(W, copy=True)
     W2 = W + 0.3 * np.random.default_rng(0).standard_normal(W.shape).astype(np.float32)
+    calls = []
     res = compare(lm, {"same": {}, "w": {"blk.1.ffn_up": W2},
-                       "m": lm.with_weights({"blk.1.ffn_up": W2})}, texts=texts)
+                       "m": lm.with_weights({"blk.1.ffn_up": W2})}, texts=texts,
+                  progress=lambda *a: calls.append(a))
+    assert [c[:3] for c in calls] == [(None, 0, 3), ("same", 1, 3), ("w", 2, 3), ("m", 3, 3)]
+    assert all(c[3] >= 0 for c in calls)
     assert res["sources"] == {"docs": "three"}
     assert abs(res["models"]["same"]["docs"]["kl"]) < 1e-12
     w, m = res["models"]["w"]["docs"], res["models"]["m"]["docs"]

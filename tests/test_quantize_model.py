@@ -409,8 +409,9 @@ def test_cli_evaluate_on_text_files(models, tmp_path, capsys):
     rc = main(["evaluate", ref_path, str(q), "--reference", ref_path, "--window", "16",
                "--text", str(tmp_path / "a" / "held.txt"), "--text",
                str(tmp_path / "b" / "held.txt"), "--json", str(report)])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert rc == 0, out
+    assert "2 model(s) and the original on" in err and f"{q} (2/2):" in err   # progress
     res = json.loads(report.read_text())
     assert set(res["sources"]) == {"held", "held-2"}    # two files of one stem
     ref = load_llm(ref_path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import time
 
 import numpy as np
 
@@ -217,27 +218,34 @@ class _Reference:
 
 
 def compare(original, quantized, *, texts: dict | None = None, cache=None,
-            batch_size: int = 8) -> dict:
+            batch_size: int = 8, progress=None) -> dict:
     """KL(original ‖ q) ± its standard error over texts, perplexity and top-1 agreement of
     each quantized model on the evaluation texts.
 
     ``original``: a loaded :class:`~bakron.models.llm.CausalLM`. ``quantized``: a model, a
     ``{linear name: W_hat}`` dict (applied with ``original.with_weights``), or a dict
     ``{label: model or weights}``. ``texts``: the result of :func:`evaluation_texts` (default:
-    computed here). Returns ``{"original": {set: figures}, "models": {label: {set: figures}},
+    computed here). ``progress``: called as ``progress(label, i, n, seconds)`` after the
+    original (label ``None``, ``i = 0``) and after each quantized model ``i`` of ``n``. Returns ``{"original": {set: figures}, "models": {label: {set: figures}},
     "sources": {set: description}}`` (a single model is labelled ``"quantized"``).
     """
     if texts is None:
         texts = evaluation_texts(original, cache=cache)
-    ref = _Reference(original, texts, batch_size)
     if not isinstance(quantized, dict) or (quantized and not isinstance(
             next(iter(quantized.values())), dict) and all(
             isinstance(k, str) and k in set(original.linear_names()) for k in quantized)):
         quantized = {"quantized": quantized}
+    t0 = time.perf_counter()
+    ref = _Reference(original, texts, batch_size)
+    if progress is not None:
+        progress(None, 0, len(quantized), time.perf_counter() - t0)
     models = {}
-    for label, q in quantized.items():
+    for i, (label, q) in enumerate(quantized.items(), 1):
+        t0 = time.perf_counter()
         lm = original.with_weights(q) if isinstance(q, dict) else q
         models[label] = ref.score(lm)
+        if progress is not None:
+            progress(label, i, len(quantized), time.perf_counter() - t0)
     return {"original": ref.original, "models": models,
             "sources": {k: v[1] for k, v in texts.items() if isinstance(v, tuple)},
             **({"lee_error": texts["lee_error"]} if "lee_error" in texts else {})}
