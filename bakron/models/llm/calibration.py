@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from ... import _xp
+from ..._validate import check_int
 
 __all__ = ["MIXES", "calibration_ids", "generated_sequences", "model_fingerprint",
            "start_token"]
@@ -41,12 +42,6 @@ MIXES = ("generated+docs", "generated", "docs")
 
 _FORMAT = 1   # of the cache files; a change of the generation maths bumps it
 _fingerprints: dict = {}
-
-
-def _check_int(v, what, minimum):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {v!r}")
-    return int(v)
 
 
 def model_fingerprint(lm) -> str:
@@ -140,9 +135,9 @@ def generated_sequences(lm, n_seqs: int, seq_len: int = 128, *, seed: int = 0,
     """
     from .generate import _generate_many
 
-    n_seqs = _check_int(n_seqs, "n_seqs", 1)
-    seq_len = _check_int(seq_len, "seq_len", 2)
-    seed = _check_int(seed, "seed", 0)
+    n_seqs = check_int(n_seqs, "n_seqs", minimum=1)
+    seq_len = check_int(seq_len, "seq_len", minimum=2)
+    seed = check_int(seed, "seed", minimum=0)
     temperature = float(temperature)
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
@@ -175,8 +170,8 @@ def generated_sequences(lm, n_seqs: int, seq_len: int = 128, *, seed: int = 0,
 
     new, _ = _generate_many(lm, [start] * len(todo), seq_len - len(start),
                             [(seed, i) for i in todo], stops=frozenset(), greedy=False,
-                            temperature=temperature, batch_size=_check_int(
-                                batch_size, "batch_size", 1),
+                            temperature=temperature,
+                            batch_size=check_int(batch_size, "batch_size", minimum=1),
                             progress=report if progress else None)
     seqs = [list(s) for s in have] + [start + [int(t) for t in s] for s in new]
     if use_cache:
@@ -218,8 +213,8 @@ def calibration_ids(lm, n_tokens: int = 4096, mix: str = "generated+docs", *,
     """
     if mix not in MIXES:
         raise ValueError(f"mix must be one of {', '.join(MIXES)}, got {mix!r}")
-    n_tokens = _check_int(n_tokens, "n_tokens", 1)
-    seq_len = _check_int(seq_len, "seq_len", 2)
+    n_tokens = check_int(n_tokens, "n_tokens", minimum=1)
+    seq_len = check_int(seq_len, "seq_len", minimum=2)
     share = float(generated_share)
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"generated_share must lie in [0, 1], got {generated_share!r}")
