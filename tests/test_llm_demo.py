@@ -193,6 +193,29 @@ def test_compare_models_and_weights():
     assert np.array_equal(np.asarray(lm.linear_weight("blk.1.ffn_up")), before)
 
 
+def test_compare_a_model_whose_head_differs():
+    """The original's next-token distribution is its own head on its own hidden states: a
+    model whose tied embedding (so its head) was quantized too, as in a GGUF file from
+    another tool, gets the KL of the two models' per-position log-probabilities."""
+    from bakron.models.llm import CausalLM
+    from bakron.models.llm.evaluation import compare
+
+    lm = _tiny_lm(seed=5)
+    E = np.asarray(lm.weights["token_embd.weight"])
+    E2 = E + 0.2 * np.random.default_rng(1).standard_normal(E.shape).astype(np.float32)
+    q = CausalLM(lm.config, {**lm.weights, "token_embd.weight": E2}, lm.tokenizer)
+    seqs = lm.tokenize(["a first text for the head", "and another, longer one to score"])
+    res = compare(lm, {"q": q}, texts={"t": (seqs, "two")})
+    kl = n = 0
+    for ids in seqs:
+        lo = np.asarray(lm.log_probs(ids), dtype=np.float64)
+        lq = np.asarray(q.log_probs(ids), dtype=np.float64)
+        kl += float((np.exp(lo) * (lo - lq)).sum())
+        n += len(ids)
+    assert res["models"]["q"]["t"]["kl"] > 1e-3
+    np.testing.assert_allclose(res["models"]["q"]["t"]["kl"], kl / n, rtol=1e-5)
+
+
 def test_dequantized_codes_are_the_solved_values():
     import array_api_compat.numpy as xp
 

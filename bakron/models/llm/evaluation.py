@@ -140,18 +140,22 @@ def _log_softmax64(xp, logits):
     return a - xp.log(xp.sum(xp.exp(a), axis=-1, keepdims=True))
 
 
-def evaluate(xp, stages, W_out, data: EvalSet, reference=None, *, chunk: int = 128):
+def evaluate(xp, stages, W_out, data: EvalSet, reference=None, *, chunk: int = 128,
+             W_ref=None):
     """Run ``stages`` on the evaluation set.
 
     Without ``reference``: returns the reference (the real rows' hidden states per batch) and
     the figures of this model (NLL, perplexity). With ``reference`` (the original model's):
     also the mean per-token KL(original ‖ this model) over every real position, per-text mean
     KL (for the standard error), and the top-1 agreement with the original.
-    Log-softmax in float64 over the vocabulary, ``chunk`` positions at a time.
+    Log-softmax in float64 over the vocabulary, ``chunk`` positions at a time. ``W_ref``:
+    the original's output head, applied to ``reference`` (default ``W_out``; it differs
+    where the quantized model's head or tied embedding was quantized too).
     """
     from ... import _xp
 
     dev = _xp.device(W_out)
+    W_ref = W_out if W_ref is None else W_ref
     kl_sum = nll_sum = 0.0
     agree = n_rows = n_pred = 0
     per_text_kl = np.zeros(data.n_texts)
@@ -172,7 +176,7 @@ def evaluate(xp, stages, W_out, data: EvalSet, reference=None, *, chunk: int = 1
                 nll_sum -= float(xp.sum(xp.take(xp.reshape(lq, (-1,)), flat)))
                 n_pred += int(has.size)
             if reference is not None:
-                lo = _log_softmax64(xp, reference[k][s:e, ...] @ W_out.T)
+                lo = _log_softmax64(xp, reference[k][s:e, ...] @ W_ref.T)
                 kl = _to_np(xp.sum(xp.exp(lo) * (lo - lq), axis=-1))
                 kl_sum += float(kl.sum())
                 np.add.at(per_text_kl, data.text_of[k][s:e], kl)
@@ -194,7 +198,8 @@ def evaluate(xp, stages, W_out, data: EvalSet, reference=None, *, chunk: int = 1
 
 
 class _Reference:
-    """The original model's hidden states on each evaluation set (computed once)."""
+    """The original model's hidden states on each evaluation set (computed once) and its
+    output head."""
 
     def __init__(self, lm, texts: dict, batch_size: int):
         from ... import _xp
@@ -213,7 +218,8 @@ class _Reference:
 
     def score(self, lm) -> dict:
         stages = lm.stages()
-        return {key: evaluate(self.xp, stages, stages[-1].W_out, data, self.hidden[key])[0]
+        return {key: evaluate(self.xp, stages, stages[-1].W_out, data, self.hidden[key],
+                              W_ref=self.W_out)[0]
                 for key, data in self.sets.items()}
 
 
