@@ -688,7 +688,7 @@ def _with_notes(msg: str, exc: BaseException, default: str | None = None) -> str
 def _cmd_evaluate(args) -> int:
     """``bakron evaluate``: see :mod:`bakron.models.llm.evaluation`."""
     from .models.llm import ChecksumError, ModelUnavailableError
-    from .models.llm.evaluation import compare, evaluation_texts, file_texts
+    from .models.llm.evaluation import check_comparable, compare, evaluation_texts, file_texts
 
     if args.text is None and args.window is not None:
         raise UsageError("--window only applies with --text")
@@ -703,6 +703,7 @@ def _cmd_evaluate(args) -> int:
             if not os.path.exists(path):
                 raise UsageError(f"{path}: no such file or folder (a quantized model)")
             models[path] = load_llm(path)
+            check_comparable(ref, models[path], path)
     except (ModelUnavailableError, ChecksumError) as exc:
         raise Unavailable(f"the model is not available: {exc}") from None
     except ValueError as exc:

@@ -446,6 +446,12 @@ def test_cli_evaluate_on_text_files(models, tmp_path, capsys):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     fails("--text", str(tmp_path / "latin1.txt"), match="not UTF-8")
     fails("--window", "8", match="--window only applies with --text")
+    cfg = tiny_config(tied=False, vocab=300)     # another vocabulary: not comparable
+    write_hf_folder(tmp_path / "other", cfg, tiny_weights(cfg, seed=3))
+    rc = main(["evaluate", str(tmp_path / "other"), "--reference", ref_path,
+               "--text", str(tmp_path / "a" / "held.txt")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not a quantized version of the reference" in err, err
     fails("--text", str(tmp_path / "a" / "held.txt"), "--window", "100000",
           match="longer than the model's context")
 

@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-__all__ = ["evaluation_texts", "file_texts", "EvalSet", "evaluate", "compare", "sem"]
+__all__ = ["evaluation_texts", "file_texts", "EvalSet", "evaluate", "compare",
+           "check_comparable", "sem"]
 
 
 def sem(x) -> float:
@@ -197,6 +198,15 @@ def evaluate(xp, stages, W_out, data: EvalSet, reference=None, *, chunk: int = 1
     return out, None
 
 
+def check_comparable(original, model, label) -> None:
+    """``ValueError`` naming ``label`` when ``model`` cannot be compared with ``original``
+    token by token: another vocabulary (so another tokenizer's ids)."""
+    vo, vq = original.config.vocab_size, model.config.vocab_size
+    if vo != vq:
+        raise ValueError(f"{label}: a vocabulary of {vq:,} tokens, the original's has {vo:,}: "
+                         f"not a quantized version of the reference model")
+
+
 class _Reference:
     """The original model's hidden states on each evaluation set (computed once) and its
     output head."""
@@ -250,6 +260,7 @@ def compare(original, quantized, *, texts: dict | None = None, cache=None,
     for i, (label, q) in enumerate(quantized.items(), 1):
         t0 = time.perf_counter()
         lm = original.with_weights(q) if isinstance(q, dict) else q
+        check_comparable(original, lm, label)
         models[label] = ref.score(lm)
         if progress is not None:
             progress(label, i, len(quantized), time.perf_counter() - t0)
