@@ -696,8 +696,8 @@ def _cmd_evaluate(args) -> int:
         from .models import load_llm
 
         ref = load_llm(args.reference)
-        texts = (file_texts(ref, args.text, window=args.window or 64) if args.text
-                 else evaluation_texts(ref))
+        window = {} if args.window is None else {"window": args.window}
+        texts = file_texts(ref, args.text, **window) if args.text else evaluation_texts(ref)
         models = {}
         for path in args.quantized:
             if not os.path.exists(path):

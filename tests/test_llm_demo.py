@@ -214,6 +214,16 @@ def test_compare_a_model_whose_head_differs():
         n += len(ids)
     assert res["models"]["q"]["t"]["kl"] > 1e-3
     np.testing.assert_allclose(res["models"]["q"]["t"]["kl"], kl / n, rtol=1e-5)
+    # another vocabulary: refused, naming the model, before the original's pass
+    import dataclasses
+
+    cfg = dataclasses.replace(lm.config, vocab_size=300)
+    other = CausalLM(cfg, {k: np.zeros(shape, np.float32) for k, shape in
+                           weight_shapes(cfg).items()}, lm.tokenizer)
+    with pytest.raises(ValueError, match="other: a vocabulary of 300 tokens, the original's "
+                                         "has 260"):
+        compare(lm, {"other": other}, texts={"t": (seqs, "two")},
+                progress=lambda *a: pytest.fail("the original was evaluated"))
 
 
 def test_dequantized_codes_are_the_solved_values():

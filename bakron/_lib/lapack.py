@@ -82,8 +82,9 @@ def eigh(xp, H):
     if _xp.is_numpy(xp) and len(H.shape) == 2 and H.shape[0] == H.shape[1]:
         import numpy as np
 
-        if np.asarray(H).dtype == np.float32:
-            got = _ssyevd_eigh(np.asarray(H))
+        A = np.asarray(H)
+        if A.dtype == np.float32:
+            got = _ssyevd_eigh(A)
             if got is not None:
                 return xp.asarray(got[0]), xp.asarray(got[1])
     return xp.linalg.eigh(H)

@@ -252,6 +252,9 @@ def compare(original, quantized, *, texts: dict | None = None, cache=None,
             next(iter(quantized.values())), dict) and all(
             isinstance(k, str) and k in set(original.linear_names()) for k in quantized)):
         quantized = {"quantized": quantized}
+    for label, q in quantized.items():   # (before the original's pass; weights: its config)
+        if not isinstance(q, dict):
+            check_comparable(original, q, label)
     t0 = time.perf_counter()
     ref = _Reference(original, texts, batch_size)
     if progress is not None:
@@ -260,7 +263,6 @@ def compare(original, quantized, *, texts: dict | None = None, cache=None,
     for i, (label, q) in enumerate(quantized.items(), 1):
         t0 = time.perf_counter()
         lm = original.with_weights(q) if isinstance(q, dict) else q
-        check_comparable(original, lm, label)
         models[label] = ref.score(lm)
         if progress is not None:
             progress(label, i, len(quantized), time.perf_counter() - t0)
