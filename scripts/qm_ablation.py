@@ -12,6 +12,9 @@ linear layers are rounded. The quantized weights are scored against the original
 * ``gen``: text sampled from the model with another seed than any calibration text
   (``--heldout-seed``; 24 sequences of 128 tokens) — the calibration distribution, never an
   evaluation text, so the setting chosen by it is chosen on calibration data only,
+* ``caldocs``: 18 sequences of 128 tokens of the Language Reference's calibration topics
+  that no calibration of up to 128 sequences uses (calibration-side text too; the held-out
+  source of ``--calib generated`` runs in ``shift``),
 
 with the KL of every text kept, so that the ratio of two methods' mean KLs has a paired
 standard error (:func:`ratio`). Rows are appended to ``--out`` as they finish.
@@ -20,6 +23,7 @@ standard error (:func:`ratio`). Rows are appended to ``--out`` as they finish.
         --calib generated+docs --seqs 128 --factors input global --bits 3 4
     python scripts/qm_ablation.py table runs.json
     python scripts/qm_ablation.py pool runs.json     # rotation seeds pooled per setting
+    python scripts/qm_ablation.py shift runs.json    # calibrated on one source, scored on the other
 """
 from __future__ import annotations
 
@@ -48,15 +52,30 @@ def _append(path, row):
     append_json_row(path, row)
 
 
-def _reference(lm, heldout_seed, n_gen=24, seq_len=128):
+def _reference(lm, heldout_seed, n_gen=24, seq_len=128, files=()):
     from bakron.models.llm.calibration import calibration_ids
-    from bakron.models.llm.evaluation import _Reference, evaluation_texts
+    from bakron.models.llm.evaluation import _Reference, evaluation_texts, file_texts
 
     texts = evaluation_texts(lm)
+    texts.update(file_texts(lm, files))   # (--text: evaluation texts, windows of 64 tokens)
     gen = calibration_ids(lm, n_gen * seq_len, mix="generated", seq_len=seq_len,
                           seed=heldout_seed)
     texts["gen"] = (gen, f"{n_gen} sequences sampled from the model, seed {heldout_seed}")
+    texts["caldocs"] = (_caldocs(lm, seq_len), "the Language Reference's calibration topics, "
+                        "sequences no calibration of up to 128 sequences uses")
     return _Reference(lm, texts, 16)
+
+
+def _caldocs(lm, seq_len, skip=128):
+    """The calibration topics' sequences after the first ``skip`` (those ``--calib builtin``
+    and ``generated+docs`` draw from): calibration-side text, held out from every run of up to
+    ``skip`` sequences. With ``--calib generated`` it is another source than the fit's, the
+    calibration-only stand-in for text of another domain (``shift`` below)."""
+    from bakron.models.llm.calibration import calibration_sequences
+    from bakron.quantize_model import _builtin_split
+
+    seqs = calibration_sequences(lm, _builtin_split()[0], 10**6, seq_len)[skip:]
+    return [s for s in seqs if len(s) == seq_len]
 
 
 def run(args):
@@ -67,7 +86,7 @@ def run(args):
 
     xp, _ = namespace(args.device)
     lm = load_llm("smollm2", xp=xp)
-    ref = _reference(lm, args.heldout_seed)
+    ref = _reference(lm, args.heldout_seed, files=args.text)
     deadline = time.perf_counter() + args.deadline
     seeds = [(0 if args.format == "float" else -1) if v == "auto" else int(v)
              for v in args.incoherence]
@@ -271,6 +290,58 @@ def regularisation(r):
             + ("" if r["out_estimator"] == "mean" else f", {r['out_estimator']} H_out"))
 
 
+#: the cross-source folds of ``shift``: a run calibrated on one source, scored on the other
+SHIFT_FOLDS = (("generated", "caldocs"), ("builtin", "gen"))
+
+
+def shift(args):
+    """The calibration-only stand-in for text of another domain: runs calibrated on one
+    source alone (``--calib generated``: text sampled from the model; ``--calib builtin``: the
+    Language Reference's calibration topics), scored on the other (``caldocs``, sequences of
+    the calibration topics no run uses; ``gen``, sampled with another seed). One line per
+    ``H_out`` setting and width: each fold's ratio of the mean KLs to ``--factors input`` of
+    the same seed and host, the seeds pooled, ± its paired standard error (and the single
+    seeds' ratios); the geometric mean of the two folds; and the same-source ratios
+    (``generated`` on ``gen``, ``builtin`` on ``caldocs``) beside them."""
+    rows = [r for r in _rows(args.results) if r["calib"] in dict(SHIFT_FOLDS)
+            and "caldocs_kl_per_text" in r]
+    one = {(r["calib"], r["bits"], r["incoherence"], r.get("host")): r for r in rows
+           if r["factors"] == "input"}
+    groups = {}
+    for r in rows:
+        if r["factors"] == "global" and (r["calib"], r["bits"], r["incoherence"],
+                                         r.get("host")) in one:
+            groups.setdefault((regularisation(r), r["bits"]), {}).setdefault(
+                r["calib"], []).append(r)
+
+    def cell(runs, text):
+        runs = sorted(runs, key=lambda r: r["incoherence"])
+        base = [one[(r["calib"], r["bits"], r["incoherence"], r.get("host"))] for r in runs]
+        a = [x for r in runs for x in r[f"{text}_kl_per_text"]]
+        b = [x for q in base for x in q[f"{text}_kl_per_text"]]
+        each = [ratio(r[f"{text}_kl_per_text"], q[f"{text}_kl_per_text"])[0]
+                for r, q in zip(runs, base)]
+        return ratio(a, b), each, [r["incoherence"] for r in runs]
+
+    print("| `H_O` | bits | seeds | generated → caldocs ÷ input ± s.e. (per seed) "
+          "| builtin → gen ÷ input ± s.e. (per seed) | geometric mean "
+          "| same source: generated → gen | builtin → caldocs |")
+    print("|---" * 8 + "|")
+    for (label, bits), by in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if set(by) != set(dict(SHIFT_FOLDS)):
+            continue
+        cells, logs, same = [], [], []
+        for calib, text in SHIFT_FOLDS:
+            (r, se), each, seeds = cell(by[calib], text)
+            cells.append(f"{r:.3f} ± {se:.3f} ({' / '.join(f'{e:.2f}' for e in each)})")
+            logs.append(math.log(r))
+            other = "gen" if text == "caldocs" else "caldocs"
+            (r2, se2), _, _ = cell(by[calib], other)
+            same.append(f"{r2:.3f} ± {se2:.3f}")
+        print(f"| {label} | {bits} | {', '.join(map(str, seeds))} | " + " | ".join(cells)
+              + f" | {math.exp(sum(logs) / len(logs)):.3f} | " + " | ".join(same) + " |")
+
+
 def pool(args):
     """One line per setting with rotations: the rotation seeds pooled. Each text's ratio is
     that of the mean KLs over every (seed, text) pair, paired with ``--factors input`` of
@@ -364,8 +435,6 @@ def table(args):
 
 
 def main(argv=None):
-    from bakron.factors import OUT_ESTIMATORS
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
@@ -401,10 +470,14 @@ def main(argv=None):
                    help="square solver tiles (default 16, the command's)")
     r.add_argument("--damp", type=float, default=0.01,
                    help="relative damping of H_in, both methods (default 0.01, the command's)")
-    r.add_argument("--out-estimator", choices=OUT_ESTIMATORS, default="mean",
-                   help="H_out from all tokens (mean, the default here) or cross-fitted "
-                        "halves (crossfit, the command's default for rotated layers)")
+    r.add_argument("--out-estimator", default="mean",
+                   help="H_out from all tokens (mean, the default here), cross-fitted "
+                        "halves (crossfit, the command's default for rotated layers) or K "
+                        "folds (crossfit:K)")
     r.add_argument("--heldout-seed", type=int, default=1000)
+    r.add_argument("--text", action="append", default=[], metavar="FILE",
+                   help="also score on this text file, cut into windows of 64 tokens "
+                        "(bakron evaluate --text); repeatable")
     r.add_argument("--deadline", type=float, default=1e9, help="seconds; then stop starting runs")
     r.add_argument("--host", default=None,
                    help="a note on the machine kept in each row (its wall time is then not "
@@ -430,9 +503,11 @@ def main(argv=None):
     t.add_argument("--calib", default=None, help="only this calibration")
     t.add_argument("--rule", default=None,
                    help="only this H_out column (e.g. 'damp 3' for 'auto: damp 3')")
+    t = sub.add_parser("shift", help="runs calibrated on one source, scored on the other")
+    t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
     {"run": run, "table": table, "pool": pool, "compose": compose,
-     "compose-table": compose_table}[args.cmd](args)
+     "compose-table": compose_table, "shift": shift}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+"""scripts/qm_ablation.py's tables: the cross-source (``shift``) ratios from synthetic rows."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("qm_ablation", ROOT / "scripts" / "qm_ablation.py")
+qm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(qm)
+
+
+def _row(calib, factors, seed, gen, caldocs, damp_out=0.1):
+    return {"calib": calib, "factors": factors, "incoherence": seed, "bits": 3,
+            "labels": "sample", "shrink_out": 0 if factors == "global" else "auto",
+            "damp_out": damp_out, "out_estimator": "crossfit" if factors == "global" else "mean",
+            "host": "h", "tokens": 16384, "seqs": 128,
+            "gen_kl_per_text": gen, "caldocs_kl_per_text": caldocs}
+
+
+def test_shift_pairs_each_source_with_the_other_and_pools_seeds(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    rows, want = [], {}
+    for calib, text in qm.SHIFT_FOLDS:
+        a, b = [], []
+        for seed in (0, 1):
+            one = {t: list(rng.uniform(0.5, 1.0, 4)) for t in ("gen", "caldocs")}
+            two = {t: [0.8 * x for x in one[t]] for t in one}
+            two[text] = [x * f for x, f in zip(one[text], (0.6, 0.7, 0.9, 1.0))]
+            rows += [_row(calib, "input", seed, one["gen"], one["caldocs"]),
+                     _row(calib, "global", seed, two["gen"], two["caldocs"])]
+            a += two[text]
+            b += one[text]
+        want[calib] = np.mean(a) / np.mean(b)
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    qm.main(["shift", str(path)])
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| damp 0.1")]
+    assert len(line) == 1
+    cells = [c.strip() for c in line[0].strip("|").split("|")]
+    assert cells[1] == "3" and cells[2] == "0, 1"
+    got = [float(cells[3].split()[0]), float(cells[4].split()[0])]
+    np.testing.assert_allclose(got, [want["generated"], want["builtin"]], atol=5e-4)
+    assert abs(float(cells[5]) - math.sqrt(want["generated"] * want["builtin"])) < 1e-3
+    assert cells[6].startswith("0.800") and cells[7].startswith("0.800")   # same source
