@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from .factors import OUT_ESTIMATORS  # (bakron's own __init__ imports bakron.factors)
+from .factors import OUT_ESTIMATORS, out_folds  # (bakron's __init__ imports bakron.factors)
 
 __all__ = ["main", "EXIT_OK", "EXIT_LAYER_FAILED", "EXIT_USAGE", "EXIT_OUT_EXISTS",
            "EXIT_UNAVAILABLE", "EXIT_WRITE_FAILED", "EXIT_INTERRUPTED"]
@@ -203,6 +203,17 @@ def _labels(text: str) -> str:
         parse_labels(text, 2 ** 31, "--labels")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--labels: ")) from None
+    return text
+
+
+def _out_estimator(text: str) -> str:
+    if text != "auto":
+        try:
+            out_folds(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be auto, {', '.join(OUT_ESTIMATORS)} or crossfit:K with K >= 2 folds, "
+                f"got {text!r}") from None
     return text
 
 
@@ -377,11 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="estimator of a global H_out: one sampled label per token (default), "
                          "K draws, the output Fisher from the K most probable labels, or the "
                          "next token (docs/hessian.md)")
-    qm.add_argument("--out-estimator", choices=("auto", *OUT_ESTIMATORS), default="auto",
+    qm.add_argument("--out-estimator", type=_out_estimator, default="auto",
+                    metavar="auto|mean|crossfit|crossfit:K",
                     help="how a global H_out is formed from the calibration tokens: mean (the "
                          "K-FAC mean of all of them), crossfit (each half's eigenvectors with "
-                         "eigenvalues measured on the other half), auto (default: crossfit "
-                         "for rotated layers, mean otherwise; docs/hessian.md)")
+                         "eigenvalues measured on the other half), crossfit:K (K folds of "
+                         "batches, each measured along the other folds' eigenvectors), auto "
+                         "(default: crossfit for rotated layers, mean otherwise; "
+                         "docs/hessian.md)")
     qm.add_argument("--refine", type=_count, default=None, metavar="N",
                     help="per-sequence refinement steps of the global factors after their "
                          "K-FAC pass, two more Hessian passes each (default 0: the K-FAC "

@@ -16,7 +16,7 @@ from ._validate import (check_damp, check_finite, check_int, check_matrix, check
 
 __all__ = ["block_ldl", "prepare_factor", "Factor", "NotPositiveDefiniteError", "check_shrink",
            "auto_regularization", "AUTO_DAMP_OUT",
-           "AUTO_DAMP_OUT_ROTATED", "AUTO_DAMP_OUT_CROSSFIT", "OUT_ESTIMATORS"]
+           "AUTO_DAMP_OUT_ROTATED", "AUTO_DAMP_OUT_CROSSFIT", "OUT_ESTIMATORS", "out_folds"]
 
 
 class NotPositiveDefiniteError(ValueError):
@@ -236,8 +236,24 @@ AUTO_DAMP_OUT_ROTATED = 3.0
 #: (:func:`bakron.hessian.crossfit.crossfit`)
 AUTO_DAMP_OUT_CROSSFIT = 0.1
 #: how a global ``H_out`` is formed from its rows (:func:`bakron.hessian.global_factors`):
-#: the K-FAC mean, or the cross-fitted halves (:func:`bakron.hessian.crossfit.crossfit`)
+#: the K-FAC mean, or the cross-fitted halves (:func:`bakron.hessian.crossfit.crossfit`);
+#: ``"crossfit:K"`` cross-fits K folds (:func:`bakron.hessian.crossfit.crossfit_folds`)
 OUT_ESTIMATORS = ("mean", "crossfit")
+
+
+def out_folds(estimator) -> int:
+    """The number of sums a global ``H_out`` estimator keeps apart: 1 for ``"mean"``, 2 for
+    ``"crossfit"``, ``K`` for ``"crossfit:K"`` (``K >= 2``); ``ValueError`` naming any other
+    value."""
+    if estimator == "mean":
+        return 1
+    if estimator == "crossfit":
+        return 2
+    head, _, k = str(estimator).partition(":") if isinstance(estimator, str) else ("", "", "")
+    if head == "crossfit" and k.isdigit() and int(k) >= 2:
+        return int(k)
+    raise ValueError(f"out_estimator must be one of {OUT_ESTIMATORS} or 'crossfit:K' with an "
+                     f"integer K >= 2, got {estimator!r}")
 
 
 def auto_regularization(width: int, tokens: int, *, rotated: bool = False,
@@ -246,7 +262,7 @@ def auto_regularization(width: int, tokens: int, *, rotated: bool = False,
     ``tokens`` calibration tokens (K-FAC, one sampled label each): ``(0, AUTO_DAMP_OUT)``,
     ``(0, AUTO_DAMP_OUT_ROTATED)`` for a layer ``rotated`` by incoherence processing, and
     ``(0, AUTO_DAMP_OUT_CROSSFIT)`` for a rotated layer whose ``H_out`` was cross-fitted
-    (``estimator="crossfit"``, :func:`bakron.hessian.crossfit.crossfit`).
+    (``estimator="crossfit"`` or ``"crossfit:K"``, :func:`bakron.hessian.crossfit.crossfit`).
 
     The two-sided rounding puts its error in the directions that ``H_out`` calls cheap, and
     the K-FAC factor underestimates what errors there cost (docs/hessian.md, "Regularising
@@ -264,11 +280,10 @@ def auto_regularization(width: int, tokens: int, *, rotated: bool = False,
     """
     check_int(width, "width", minimum=1)
     check_int(tokens, "tokens", minimum=1)
-    if estimator not in OUT_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {OUT_ESTIMATORS}, got {estimator!r}")
+    folds = out_folds(estimator)
     if not rotated:
         return 0.0, AUTO_DAMP_OUT
-    return 0.0, AUTO_DAMP_OUT_CROSSFIT if estimator == "crossfit" else AUTO_DAMP_OUT_ROTATED
+    return 0.0, AUTO_DAMP_OUT_CROSSFIT if folds > 1 else AUTO_DAMP_OUT_ROTATED
 
 
 def check_shrink(shrink, name: str = "shrink") -> float:

@@ -600,13 +600,14 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         (docs/llm.md, "The whole model through quantize-model"). Ignored by ``factors="rtn"``
         and ``"input"``.
 
-    out_estimator : {"auto", "mean", "crossfit"}
+    out_estimator : {"auto", "mean", "crossfit", "crossfit:K"}
         How a global ``H_out`` is formed from the calibration tokens
         (:func:`bakron.hessian.global_factors`): ``"mean"`` is the K-FAC mean over every
         token; ``"crossfit"`` sums the even and the odd batches apart and measures the
         eigenvalues of each half's eigenvectors on the other half
         (:func:`bakron.hessian.crossfit.crossfit`), so that its small directions are not
-        underestimated (with ``damp_out="auto"`` it is damped by 0.1 instead of 3).
+        underestimated (with ``damp_out="auto"`` it is damped by 0.1 instead of 3);
+        ``"crossfit:K"`` does so with ``K`` folds of batches (docs/hessian.md).
         ``"auto"`` (default): ``"crossfit"`` for a run that rotates its layers (the
         ``float`` format's default), ``"mean"`` otherwise; on SmolLM2 it lowered the
         two-sided KL on model-sampled text by 3-5 % (docs/llm.md). Ignored without an
@@ -769,8 +770,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         if solve_settings.get("out") == "auto":   # (the rule depends on the rotations)
             solve_settings["tokens"] = int(sum(map(len, seqs)))
             solve_settings["rotated"] = incoherence is not None
-            if out_estimator == "crossfit":   # (and on the estimator)
-                solve_settings["estimator"] = "crossfit"
+            if out_estimator != "mean":   # (and on the estimator)
+                solve_settings["estimator"] = out_estimator
         options = {"tile": list(tile), "damp": float(damp), "seed": int(seed),
                    **({} if factors in ("rtn", "input") else {"h_out": solve_settings}),
                    "refine_iters": 0 if factors in ("rtn", "input") else refine_iters,
@@ -779,7 +780,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             options["incoherence"] = incoherence
         if labels != "sample" and factors not in ("rtn", "input"):   # default: the old key
             options["labels"] = labels
-        if out_estimator == "crossfit":   # (default "mean": the old key)
+        if out_estimator != "mean":   # (default "mean": the old key)
             options["out_estimator"] = out_estimator
         if factors != "rtn":   # (layers solved from sums in another dtype: another run's)
             options["accum_dtype"] = _ACCUM_DTYPE
@@ -948,13 +949,18 @@ def _incoherence_seed(incoherence, fmt, factors) -> int | None:
 
 
 def _out_estimator(out_estimator, factors, incoherence) -> str:
-    """``"mean"`` or ``"crossfit"`` from ``out_estimator`` ("auto": crossfit for a run that
-    rotates its layers and has a global ``H_out``); ``InputError`` naming a bad value."""
-    from .factors import OUT_ESTIMATORS
+    """``"mean"``, ``"crossfit"`` or ``"crossfit:K"`` from ``out_estimator`` ("auto":
+    crossfit for a run that rotates its layers and has a global ``H_out``); ``InputError``
+    naming a bad value."""
+    from .factors import OUT_ESTIMATORS, out_folds
 
-    if out_estimator != "auto" and out_estimator not in OUT_ESTIMATORS:
-        raise InputError(f"out_estimator must be 'auto' or one of {OUT_ESTIMATORS}, got "
-                         f"{out_estimator!r}")
+    if out_estimator != "auto":
+        try:
+            folds = out_folds(out_estimator)
+        except ValueError:
+            raise InputError(f"out_estimator must be 'auto', one of {OUT_ESTIMATORS} or "
+                             f"'crossfit:K' (K >= 2 folds), got {out_estimator!r}") from None
+        out_estimator = "crossfit" if folds == 2 else out_estimator   # (crossfit:2 is it)
     if factors in ("rtn", "input"):   # (no H_out)
         return "mean"
     if out_estimator == "auto":

@@ -7,7 +7,8 @@ import pytest
 
 import bakron.hessian as bh
 from bakron.hessian._examples import random_mlp
-from bakron.hessian.crossfit import crossfit
+from bakron.factors import out_folds
+from bakron.hessian.crossfit import crossfit, crossfit_folds
 
 
 def _second_moment(rng, L, n):
@@ -205,3 +206,99 @@ def test_one_core_gives_the_same_factors(monkeypatch):
     for (n, Ho) in seen:
         np.testing.assert_array_equal(alone[n][1], pooled[n][1])
         np.testing.assert_array_equal(Ho, pooled[n][1])
+
+
+# -- K folds ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def folds():
+    rng = np.random.default_rng(12)
+    m = 30
+    L = rng.standard_normal((m, m)) * np.linspace(0.05, 1.0, m)
+    return [_second_moment(rng, L, n) for n in (40, 50, 60, 45)], [40.0, 50.0, 60.0, 45.0]
+
+
+def test_two_folds_are_the_halves_bit_for_bit(halves):
+    _, Ha, Hb = halves
+    np.testing.assert_array_equal(crossfit_folds(xp, [Ha, Hb], [60.0, 90.0]),
+                                  crossfit(xp, Ha, 60.0, Hb, 90.0))
+
+
+def test_k_folds_measure_each_fold_along_the_others_eigenvectors(folds):
+    """Independently of the implementation: each fold's eigenvalues along the eigenvectors
+    of the other folds' pooled mean, weighted by the fold's weight."""
+    Hs, ws = folds
+    total = sum(ws)
+    ref = np.zeros_like(Hs[0])
+    for j in range(len(Hs)):
+        rest = sum(w * H for i, (w, H) in enumerate(zip(ws, Hs)) if i != j) / (total - ws[j])
+        _, U = np.linalg.eigh(rest)
+        ref += ws[j] / total * U @ np.diag(np.diag(U.T @ Hs[j] @ U)) @ U.T
+    got = crossfit_folds(xp, Hs, ws)
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-13)
+    np.testing.assert_array_equal(got, got.T)
+    assert np.linalg.eigvalsh(got).min() > 0
+    np.testing.assert_allclose(np.trace(got), np.trace(sum(w * H for w, H in zip(ws, Hs)))
+                               / total, rtol=1e-12)
+    same = crossfit_folds(xp, [Hs[0]] * 3, [1.0, 2.0, 3.0])   # equal folds: the factor back
+    np.testing.assert_allclose(same, Hs[0], atol=1e-12)
+
+
+def test_folds_need_weights_and_two_folds(folds):
+    Hs, ws = folds
+    with pytest.raises(ValueError, match="positive weight"):
+        crossfit_folds(xp, Hs, [1.0, 0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="K >= 2"):
+        crossfit_folds(xp, Hs[:1], ws[:1])
+    with pytest.raises(ValueError, match="K >= 2"):
+        crossfit_folds(xp, Hs, ws[:3])
+
+
+def test_out_folds_parses_the_estimator():
+    assert [out_folds(e) for e in ("mean", "crossfit", "crossfit:2", "crossfit:5")] == [1, 2, 2, 5]
+    for bad in ("crossfit:1", "crossfit:", "crossfit:x", "median", "mean:2", 3, None):
+        with pytest.raises(ValueError, match="out_estimator must be one of"):
+            out_folds(bad)
+
+
+def test_pass_crossfits_k_folds_of_batches():
+    """``crossfit:3``: batch k's H_out rows in fold k mod 3, each fold's pass alone gives
+    the same sums."""
+    rng = np.random.default_rng(13)
+    batches = [rng.standard_normal((n, 12)) for n in (5, 4, 6, 3, 5, 4, 2)]
+    labels = [rng.integers(0, 4, size=len(b)) for b in batches]
+
+    def make(lab):
+        return random_mlp([12] * 4 + [4], seed=3, head=bh.SoftmaxCrossEntropy(labels=list(lab)))
+
+    got, _ = bh.global_factors(make(labels), batches, out_estimator="crossfit:3")
+    two, _ = bh.global_factors(make(labels), batches, out_estimator="crossfit:2")
+    half, _ = bh.global_factors(make(labels), batches, out_estimator="crossfit")
+    mean, _ = bh.global_factors(make(labels), batches)
+    parts = [bh.global_factors(make(labels[j::3]), batches[j::3])[0] for j in range(3)]
+    ws = [float(sum(len(b) for b in batches[j::3])) for j in range(3)]
+    for n in mean:
+        np.testing.assert_allclose(got[n][0], mean[n][0], rtol=1e-12)
+        ref = crossfit_folds(xp, [p[n][1] for p in parts], ws)
+        np.testing.assert_allclose(got[n][1], ref, rtol=1e-10, atol=1e-12)
+        np.testing.assert_array_equal(two[n][1], half[n][1])
+        assert not np.allclose(got[n][1], half[n][1], rtol=1e-3)
+
+
+def test_k_fold_buffers_count_in_the_plan():
+    rng = np.random.default_rng(8)
+    stages = random_mlp([24, 24, 24, 4], seed=7)
+    X = [rng.standard_normal((4, 24)) for _ in range(4)]
+    plain = bh.plan_global(stages, X)["planned_peak_bytes"]
+    four = bh.plan_global(stages, X, out_estimator="crossfit:4")["planned_peak_bytes"]
+    assert four == plain + 3 * 8 * (24 * 24 + 24 * 24 + 4 * 4)
+
+
+def test_fewer_batches_than_folds_crossfit_the_folds_there_are():
+    rng = np.random.default_rng(14)
+    batches = [rng.standard_normal((5, 8)) for _ in range(2)]
+    stages = random_mlp([8, 8, 4], seed=2)
+    four, _ = bh.global_factors(stages, batches, out_estimator="crossfit:4")
+    two, _ = bh.global_factors(stages, batches, out_estimator="crossfit")
+    for n in two:
+        np.testing.assert_array_equal(four[n][1], two[n][1])

@@ -260,6 +260,30 @@ def test_output_factor_regularisation(models, tmp_path):
                        out_estimator="median", **kw)
 
 
+def test_k_fold_crossfit(models, tmp_path):
+    """--out-estimator crossfit:K: crossfit:2 is crossfit itself (the same run, the same
+    codes); three folds of the batches give another H_out and other codes; K < 2 is
+    refused (exit 2, nothing written)."""
+    kw = dict(fmt="float", sym=False, group_size=16, keep_weights=True, batch_size=1,
+              factors="input+global-out", **FAST)
+    two = quantize_model(models / "hf32", tmp_path / "2", out_estimator="crossfit", **kw)
+    also = quantize_model(models / "hf32", tmp_path / "2b", out_estimator="crossfit:2", **kw)
+    three = quantize_model(models / "hf32", tmp_path / "3", out_estimator="crossfit:3", **kw)
+    for name, W in two["weights"].items():
+        assert np.array_equal(also["weights"][name], W), name
+    assert any(not np.array_equal(three["weights"][n], two["weights"][n])
+               for n in two["weights"])
+    assert main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "c3"),
+                 "--format", "float", "--factors", "input+global-out", "--out-estimator",
+                 "crossfit:3", "--calib-seqs", "4", "--calib-len", "16", "--quiet"]) == 0
+    rc = main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "c1"),
+               "--format", "float", "--out-estimator", "crossfit:1", "--quiet"])
+    assert rc == 2 and not (tmp_path / "c1").exists()
+    with pytest.raises(InputError, match="crossfit:K"):
+        quantize_model(models / "hf32", tmp_path / "w", out_estimator="crossfit:0",
+                       **{k: v for k, v in kw.items()})
+
+
 def test_calibration_sequences(models):
     from bakron.quantize_model import _builtin_split, calibration_sequences
 

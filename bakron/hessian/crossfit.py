@@ -6,14 +6,17 @@ are fitted to the same rows its eigenvalues are measured on. With the rows split
 independent halves ``a`` and ``b``, the eigenvectors of one half measured on the other,
 ``λ_i = u_iᵀ H_b u_i`` for the eigenvectors ``u_i`` of ``H_a``, are unbiased estimates of
 the true quadratic form along those directions (Lam 2016, "nonparametric eigenvalue-
-regularized covariance matrix estimator"). :func:`crossfit` averages the two ways round.
+regularized covariance matrix estimator"). :func:`crossfit` averages the two ways round;
+:func:`crossfit_folds` does the same with ``K`` folds, each fold's eigenvalues measured
+along the eigenvectors of the other ``K - 1`` together (eigenvectors from more rows, at
+``K`` eigendecompositions).
 """
 from __future__ import annotations
 
 from .._lib.lapack import eigh
 from .._lib.symmetric import symmetrize
 
-__all__ = ["crossfit"]
+__all__ = ["crossfit", "crossfit_folds"]
 
 
 def _one_way(xp, H_fit, H_measure, weight):
@@ -46,3 +49,35 @@ def crossfit(xp, H_a, w_a: float, H_b, w_b: float, *, dtype=None):
     H = V @ xp.matrix_transpose(V)   # (one symmetric rank-2m product: numpy's syrk)
     H = xp.astype(H, out) if H.dtype != out else H
     return symmetrize(xp, H)   # ((H + Hᵀ) / 2: bitwise (H + Hᵀ) · 0.5)
+
+
+def crossfit_folds(xp, Hs, ws, *, dtype=None):
+    """The cross-fitted factor of ``K >= 2`` folds' means ``Hs`` of weights ``ws`` (``> 0``):
+    for each fold ``j``, the eigenvectors of the other folds' pooled mean with eigenvalues
+    measured on fold ``j``, weighted by ``ws[j]``. Symmetric, positive semi-definite, with
+    the trace of the pooled mean; two folds are :func:`crossfit` (bit for bit), equal folds
+    give ``Hs[0]`` back. ``dtype``: as in :func:`crossfit`.
+    """
+    Hs, ws = list(Hs), [float(w) for w in ws]
+    if len(Hs) != len(ws) or len(Hs) < 2:
+        raise ValueError(f"need K >= 2 folds and one weight each, got {len(Hs)} folds and "
+                         f"{len(ws)} weights")
+    if not all(w > 0 for w in ws):
+        raise ValueError(f"every fold needs a positive weight, got {ws!r}")
+    if len(Hs) == 2:
+        return crossfit(xp, Hs[0], ws[0], Hs[1], ws[1], dtype=dtype)
+    out = Hs[0].dtype
+    if dtype is not None and dtype != out:
+        Hs = [xp.astype(H, dtype) for H in Hs]
+    total = sum(ws)
+    Vs = []
+    for j, (H_j, w_j) in enumerate(zip(Hs, ws)):
+        rest = None
+        for i, (H_i, w_i) in enumerate(zip(Hs, ws)):
+            if i != j:   # (the rest's weighted sum; its scale does not move the eigenvectors)
+                rest = w_i * H_i if rest is None else rest + w_i * H_i
+        Vs.append(_one_way(xp, rest, H_j, w_j / total))
+    V = xp.concat(Vs, axis=1)
+    H = V @ xp.matrix_transpose(V)
+    H = xp.astype(H, out) if H.dtype != out else H
+    return symmetrize(xp, H)

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from .. import _xp
 from .._lib.threads import cores
 from .._validate import check_finite
-from ..factors import OUT_ESTIMATORS
+from ..factors import out_folds
 from .accumulate import (FactorAccumulator, frobenius_sq, gram_buffer, sequence_mix,
                          token_quadratic)
 from .checkpoint import SCHEDULES, bisection_slots, split_point
-from .crossfit import crossfit
+from .crossfit import crossfit_folds
 from .progress import Progress, progress_bar
 from .stages import HeadContext, is_head, stage_label
 
@@ -672,11 +672,9 @@ def _token_masks(xp, first, batches):
 # the public driver
 # --------------------------------------------------------------------------------------------
 def _out_copies(out_estimator) -> int:
-    """The ``m x m`` sums a layer's ``H_out`` needs: 2 for a cross-fitted one (its halves),
-    1 for the mean; ``ValueError`` for an unknown estimator."""
-    if out_estimator not in OUT_ESTIMATORS:
-        raise ValueError(f"out_estimator must be one of {OUT_ESTIMATORS}, got {out_estimator!r}")
-    return 2 if out_estimator == "crossfit" else 1
+    """The ``m x m`` sums a layer's ``H_out`` needs: ``K`` for one cross-fitted from ``K``
+    folds (2 for ``"crossfit"``), 1 for the mean; ``ValueError`` for an unknown estimator."""
+    return out_folds(out_estimator)
 
 
 def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
@@ -828,7 +826,7 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     tokens = sum(batch_tokens)
     batch_tokens = list(itertools.accumulate(batch_tokens))   # done after batch k
     sizes = [max(bs[l] for bs in batch_sizes) for l in range(len(body) + 1)]
-    # (a crossfitted H_out is summed in two halves: out_copies m x m buffers)
+    # (a crossfitted H_out is summed in folds: out_copies m x m buffers)
     buf = [sum((out_copies * layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item
                for n in names) for names in names_at]
     tapes = None   # a stage's tape: kept for its VJP where that follows its evaluation
@@ -910,14 +908,17 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         of each layer before they are refined (``H_in`` is then the local ``E[x xᵀ]``), so
         that one run gives both (no extra pass). Not called without refinement.
 
-    out_estimator : {"mean", "crossfit"}
+    out_estimator : {"mean", "crossfit", "crossfit:K"}
         ``"mean"``: the K-FAC ``H_out``, the mean over every row. ``"crossfit"``: the rows of
         the even and of the odd batches are summed apart (one more ``m x m`` buffer per
         layer, counted in the budget) and combined by
         :func:`~bakron.hessian.crossfit.crossfit`: each half's eigenvectors with eigenvalues
         measured on the other half, which does not underestimate the factor's small
-        directions as the mean does. Refinement steps start from it. With one batch it is
-        the mean. On the CPU the layers' eigendecompositions run two at a time.
+        directions as the mean does. ``"crossfit:K"``: batch ``k`` in fold ``k mod K`` (``K``
+        buffers), combined by :func:`~bakron.hessian.crossfit.crossfit_folds` (``K``
+        eigendecompositions per layer; ``"crossfit:2"`` is ``"crossfit"``). Refinement steps
+        start from it. With one batch it is the mean; with fewer batches than folds, the
+        folds there are. On the CPU the layers' eigendecompositions run two at a time.
 
     Returns
     -------
@@ -941,7 +942,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
     run.kfac_sink = kfac_sink
-    run.out_split = P["out_copies"] == 2
+    run.out_split = P["out_copies"] > 1
     run.progress, close = progress_bar(progress)
     run.passes = sum(1 if isinstance(nd, _Split) else 1 + 2 * int(refine_iters)
                      for nd in _walk(P["plan"]) if not isinstance(nd, _Skip))
@@ -986,10 +987,11 @@ class _Run:
 
         def one(acc):
             H_in = acc[0].finish()
-            wa, wb = acc[1].weight, acc[2].weight
-            if wa == 0 or wb == 0:   # one batch (or one half weighted 0): nothing to measure
-                return H_in, (acc[2] if wa == 0 else acc[1]).finish()   # on: the mean
-            return H_in, crossfit(xp, acc[1].finish(), wa, acc[2].finish(), wb, dtype=dtype)
+            folds = [a for a in acc[1:] if a.weight != 0]   # (fewer batches than folds)
+            if len(folds) <= 1:   # one batch (or one fold weighted): nothing to measure on
+                return H_in, (folds or acc[1:])[0].finish()   # the mean
+            return H_in, crossfit_folds(xp, [a.finish() for a in folds],
+                                        [a.weight for a in folds], dtype=dtype)
 
         out = {}
         workers = min(2, cores()) if _xp.is_numpy(xp) else 0
@@ -1163,8 +1165,10 @@ class _Run:
                     m_, n_ = P["layer_shapes"][n]
                     accs[n] = (FactorAccumulator(n_, xp=xp, dtype=acc_dtype, device=dev),
                                FactorAccumulator(m_, xp=xp, dtype=acc_dtype, device=dev))
-                    if self.out_split:   # H_out of the odd batches apart (crossfit)
-                        accs[n] += (FactorAccumulator(m_, xp=xp, dtype=acc_dtype, device=dev),)
+                    if self.out_split:   # H_out of each fold of batches apart (crossfit)
+                        accs[n] += tuple(FactorAccumulator(m_, xp=xp, dtype=acc_dtype,
+                                                           device=dev)
+                                         for _ in range(P["out_copies"] - 1))
             else:
                 for n in names:
                     H_in, H_out = current[n]
@@ -1224,7 +1228,7 @@ class _Run:
                     else:
                         _accs[name][0].add_product(*gram)
                     # H_out: the mean over the R rows of each position (weights repeated)
-                    _accs[name][2 if state["odd"] else 1]._update(
+                    _accs[name][1 + state["fold"]]._update(
                         xp, g, w_tok, products=prod, check=chk, out=out_buffer(m, False))
                     return
                 if not seq:
@@ -1251,7 +1255,7 @@ class _Run:
                     _accs[name]._update_sequences(xp, X3, sequence_mix(xp, G3, H_out), w_seq)
 
             def on_batch(k):
-                state["odd"] = self.out_split and k % 2 == 1
+                state["fold"] = k % P["out_copies"]   # (batch k's H_out fold: crossfit)
                 state["w"], state["mask"] = P["weights"][k], P["masks"][k]
                 state["w_tok"], state["sel"] = self._batch_rows(k)
                 w_tok, R = state["w_tok"], self.eng.draws
