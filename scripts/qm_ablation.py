@@ -87,6 +87,13 @@ def run(args):
     xp, _ = namespace(args.device)
     lm = load_llm("smollm2", xp=xp)
     ref = _reference(lm, args.heldout_seed, files=args.text)
+    if args.generated_share is not None:   # (quantize_model asks calibration_ids for the mix)
+        import functools
+
+        import bakron.models.llm.calibration as cal
+
+        cal.calibration_ids = functools.partial(cal.calibration_ids,
+                                                generated_share=args.generated_share)
     deadline = time.perf_counter() + args.deadline
     seeds = [(0 if args.format == "float" else -1) if v == "auto" else int(v)
              for v in args.incoherence]
@@ -146,6 +153,8 @@ def run(args):
                "bits": bits, "incoherence": inc, "factors": factors, "labels": labels,
                "shrink_out": shrink, "damp_out": damp_out, "refine": refine, "tile": tile,
                "damp": args.damp, "out_estimator": args.out_estimator,
+               **({} if args.generated_share is None
+                  else {"generated_share": args.generated_share}),
                "rule": (f"damp {auto_damp(inc >= 0)}" + ("" if args.out_estimator == "mean"
                                                           else f", {args.out_estimator} H_out")
                         if shrink == "auto" and factors not in ("rtn", "input") else None),
@@ -475,6 +484,9 @@ def main(argv=None):
                         "halves (crossfit, the command's default for rotated layers) or K "
                         "folds (crossfit:K)")
     r.add_argument("--heldout-seed", type=int, default=1000)
+    r.add_argument("--generated-share", type=float, default=None, metavar="F",
+                   help="share of the generated+docs sequences sampled from the model "
+                        "(default: the command's, 0.5); kept in each row")
     r.add_argument("--text", action="append", default=[], metavar="FILE",
                    help="also score on this text file, cut into windows of 64 tokens "
                         "(bakron evaluate --text); repeatable")
