@@ -127,13 +127,14 @@ def test_unknown_estimator_is_refused():
         bh.global_factors(stages, np.ones((4, 5)), out_estimator="median")
 
 
-def test_plan_counts_the_second_buffer():
+@pytest.mark.parametrize("estimator, extra", [("crossfit", 1), ("crossfit:4", 3)])
+def test_plan_counts_every_fold_buffer(estimator, extra):
     rng = np.random.default_rng(8)
     stages = random_mlp([24, 24, 24, 4], seed=7)
-    X = [rng.standard_normal((4, 24)) for _ in range(2)]
+    X = [rng.standard_normal((4, 24)) for _ in range(4)]
     plain = bh.plan_global(stages, X)["planned_peak_bytes"]
-    split = bh.plan_global(stages, X, out_estimator="crossfit")["planned_peak_bytes"]
-    assert split == plain + 8 * (24 * 24 + 24 * 24 + 4 * 4)
+    split = bh.plan_global(stages, X, out_estimator=estimator)["planned_peak_bytes"]
+    assert split == plain + extra * 8 * (24 * 24 + 24 * 24 + 4 * 4)   # a buffer per fold
     with pytest.raises(ValueError, match="out_estimator"):
         bh.plan_global(stages, X, out_estimator="median")
 
@@ -284,14 +285,6 @@ def test_pass_crossfits_k_folds_of_batches():
         np.testing.assert_array_equal(two[n][1], half[n][1])
         assert not np.allclose(got[n][1], half[n][1], rtol=1e-3)
 
-
-def test_k_fold_buffers_count_in_the_plan():
-    rng = np.random.default_rng(8)
-    stages = random_mlp([24, 24, 24, 4], seed=7)
-    X = [rng.standard_normal((4, 24)) for _ in range(4)]
-    plain = bh.plan_global(stages, X)["planned_peak_bytes"]
-    four = bh.plan_global(stages, X, out_estimator="crossfit:4")["planned_peak_bytes"]
-    assert four == plain + 3 * 8 * (24 * 24 + 24 * 24 + 4 * 4)
 
 
 def test_fewer_batches_than_folds_crossfit_the_folds_there_are():

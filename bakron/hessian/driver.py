@@ -671,12 +671,6 @@ def _token_masks(xp, first, batches):
 # --------------------------------------------------------------------------------------------
 # the public driver
 # --------------------------------------------------------------------------------------------
-def _out_copies(out_estimator) -> int:
-    """The ``m x m`` sums a layer's ``H_out`` needs: ``K`` for one cross-fitted from ``K``
-    folds (2 for ``"crossfit"``), 1 for the mean; ``ValueError`` for an unknown estimator."""
-    return out_folds(out_estimator)
-
-
 def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
                 snapshots=None, accum_dtype=None, layers=None, out_estimator="mean") -> dict:
     """What :func:`global_factors` would run, without running it (``out_estimator``: as
@@ -687,7 +681,7 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
     the same errors (shapes, budget too small) as :func:`global_factors`.
     """
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, None, "token", 0, layers, out_copies=_out_copies(out_estimator))
+                 accum_dtype, None, "token", 0, layers, out_copies=out_folds(out_estimator))
     nodes = list(_walk(P["plan"]))
     return {"leaves": [(n.start, n.stop, n.schedule, n.snapshots) for n in nodes
                        if isinstance(n, _Leaf)],
@@ -931,7 +925,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     t0 = time.perf_counter()
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
                  accum_dtype, weights, refine, refine_iters, layers, products,
-                 out_copies=_out_copies(out_estimator))
+                 out_copies=out_folds(out_estimator))
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
