@@ -207,13 +207,16 @@ def _labels(text: str) -> str:
 
 
 def _out_estimator(text: str) -> str:
-    if text != "auto":
-        try:
-            out_folds(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be auto, {', '.join(OUT_ESTIMATORS)} or crossfit:K with K >= 2 folds, "
-                f"got {text!r}") from None
+    return text if text == "auto" else _in_estimator(text, "auto, ")
+
+
+def _in_estimator(text: str, auto: str = "") -> str:
+    try:
+        out_folds(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be {auto}{', '.join(OUT_ESTIMATORS)} or crossfit:K with K >= 2 folds, "
+            f"got {text!r}") from None
     return text
 
 
@@ -396,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "batches, each measured along the other folds' eigenvectors), auto "
                          "(default: crossfit for rotated layers, mean otherwise; "
                          "docs/hessian.md)")
+    qm.add_argument("--in-estimator", type=_in_estimator, default="mean",
+                    metavar="mean|crossfit|crossfit:K",
+                    help="how H_in is formed, for one-sided and two-sided rounding: mean "
+                         "(default: the mean of x x^T over the calibration tokens) or "
+                         "cross-fitted from folds of batches as --out-estimator does "
+                         "(docs/hessian.md)")
     qm.add_argument("--refine", type=_count, default=None, metavar="N",
                     help="per-sequence refinement steps of the global factors after their "
                          "K-FAC pass, two more Hessian passes each (default 0: the K-FAC "
@@ -659,6 +668,7 @@ def _cmd_quantize_model(args) -> int:
                                 scheduler=args.scheduler, gpus=args.gpus,
                                 incoherence=args.incoherence,
                                 out_estimator=args.out_estimator,
+                                in_estimator=args.in_estimator,
                                 blas_threads=args.blas_threads or None,
                                 **({} if args.refine is None
                                    else {"refine_iters": args.refine}))

@@ -241,10 +241,10 @@ AUTO_DAMP_OUT_CROSSFIT = 0.1
 OUT_ESTIMATORS = ("mean", "crossfit")
 
 
-def out_folds(estimator) -> int:
-    """The number of sums a global ``H_out`` estimator keeps apart: 1 for ``"mean"``, 2 for
-    ``"crossfit"``, ``K`` for ``"crossfit:K"`` (``K >= 2``); ``ValueError`` naming any other
-    value."""
+def out_folds(estimator, argument: str = "out_estimator") -> int:
+    """The number of sums a factor estimator keeps apart: 1 for ``"mean"``, 2 for
+    ``"crossfit"``, ``K`` for ``"crossfit:K"`` (``K >= 2``); ``ValueError`` naming
+    ``argument`` for any other value."""
     if estimator == "mean":
         return 1
     if estimator == "crossfit":
@@ -252,7 +252,7 @@ def out_folds(estimator) -> int:
     head, _, k = str(estimator).partition(":") if isinstance(estimator, str) else ("", "", "")
     if head == "crossfit" and k.isdigit() and int(k) >= 2:
         return int(k)
-    raise ValueError(f"out_estimator must be one of {OUT_ESTIMATORS} or 'crossfit:K' with an "
+    raise ValueError(f"{argument} must be one of {OUT_ESTIMATORS} or 'crossfit:K' with an "
                      f"integer K >= 2, got {estimator!r}")
 
 

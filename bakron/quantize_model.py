@@ -366,7 +366,8 @@ def _calibration_batches(lm, xp, seqs, batch_size):
                        device=getattr(lm, "device", None))[0]
 
 
-def _check_memory_budget(lm, xp, seqs, todo, memory_budget, batch_size, out_estimator="mean"):
+def _check_memory_budget(lm, xp, seqs, todo, memory_budget, batch_size, out_estimator="mean",
+                         in_estimator="mean"):
     """``memory_budget`` holds a schedule of the Hessian passes over the layers ``todo``
     (:func:`bakron.hessian.plan_global`, nothing is computed); the error names the option."""
     if memory_budget is None or not todo:
@@ -377,6 +378,7 @@ def _check_memory_budget(lm, xp, seqs, todo, memory_budget, batch_size, out_esti
     try:
         plan_global(lm.stages(), _calibration_batches(lm, xp, seqs, batch_size),
                     budget_bytes=memory_budget, layers=todo, out_estimator=out_estimator,
+                    in_estimator=in_estimator,
                     accum_dtype=getattr(xp, _ACCUM_DTYPE))
     except _TooSmall as exc:
         msg = (str(exc).replace(f"budget_bytes={memory_budget}",
@@ -505,7 +507,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
                    scheduler: str | None = None, gpus: int | None = None, client=None,
                    retries: int = 2, _after_layer=None, incoherence="auto",
                    refine_iters: int = 0, blas_threads: int | None = 1,
-                   out_estimator: str = "auto") -> dict:
+                   out_estimator: str = "auto", in_estimator: str = "mean") -> dict:
     """Quantize every linear layer of a causal LM and write the export ``out``.
 
     Parameters
@@ -612,6 +614,9 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         ``float`` format's default), ``"mean"`` otherwise; on SmolLM2 it lowered the
         two-sided KL on model-sampled text by 3-5 % (docs/llm.md). Ignored without an
         ``H_out``.
+    in_estimator : {"mean", "crossfit", "crossfit:K"}
+        The same for ``H_in`` (default ``"mean"``, the K-FAC mean ``E[x xᵀ]``), for every
+        method but ``"rtn"``.
     blas_threads : int or None
         BLAS threads during the Hessian passes and the solves on the CPU (through
         ``threadpoolctl`` when it is installed; a process-wide setting for the duration).
@@ -655,6 +660,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         raise InputError(str(exc)) from None
     incoherence = _incoherence_seed(incoherence, fmt, factors)
     out_estimator = _out_estimator(out_estimator, factors, incoherence)
+    in_estimator = _estimator(in_estimator, "in_estimator", auto=False)
     retries = _checked(check_int, retries, "retries", minimum=0)
     refine_iters = _checked(check_int, refine_iters, "refine_iters", minimum=0)
     if blas_threads is not None:
@@ -782,6 +788,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             options["labels"] = labels
         if out_estimator != "mean":   # (default "mean": the old key)
             options["out_estimator"] = out_estimator
+        if in_estimator != "mean" and factors != "rtn":
+            options["in_estimator"] = in_estimator
         if factors != "rtn":   # (layers solved from sums in another dtype: another run's)
             options["accum_dtype"] = _ACCUM_DTYPE
         # sampled calibration text is a function of the model (whose weights the layer keys
@@ -811,7 +819,8 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
         if factors != "rtn":   # (read-only: the layers this run would still collect)
             ready = finished()
             _check_memory_budget(lm, xp, seqs, [n for n in names if n not in ready],
-                                 memory_budget, batch_size, out_estimator)
+                                 memory_budget, batch_size, out_estimator,
+                                 options.get("in_estimator", "mean"))
         run = {"key": key, "version": _VERSION, "model": str(model),
                "source": str(Path(src).resolve()),
                "model_hash": model_hash, "grid": grid, "factors": factors, "options": options,
@@ -948,19 +957,27 @@ def _incoherence_seed(incoherence, fmt, factors) -> int | None:
     return incoherence
 
 
+def _estimator(value, name, auto=True) -> str:
+    """``value`` of the estimator argument ``name`` checked (``"crossfit:2"`` is
+    ``"crossfit"``; ``"auto"`` kept where ``auto``); ``InputError`` naming a bad value."""
+    from .factors import OUT_ESTIMATORS, out_folds
+
+    if auto and value == "auto":
+        return value
+    try:
+        folds = out_folds(value, name)
+    except ValueError:
+        either = "'auto', " if auto else ""
+        raise InputError(f"{name} must be {either}one of {OUT_ESTIMATORS} or 'crossfit:K' "
+                         f"(K >= 2 folds), got {value!r}") from None
+    return "crossfit" if folds == 2 else value   # (crossfit:2 is it)
+
+
 def _out_estimator(out_estimator, factors, incoherence) -> str:
     """``"mean"``, ``"crossfit"`` or ``"crossfit:K"`` from ``out_estimator`` ("auto":
     crossfit for a run that rotates its layers and has a global ``H_out``); ``InputError``
     naming a bad value."""
-    from .factors import OUT_ESTIMATORS, out_folds
-
-    if out_estimator != "auto":
-        try:
-            folds = out_folds(out_estimator)
-        except ValueError:
-            raise InputError(f"out_estimator must be 'auto', one of {OUT_ESTIMATORS} or "
-                             f"'crossfit:K' (K >= 2 folds), got {out_estimator!r}") from None
-        out_estimator = "crossfit" if folds == 2 else out_estimator   # (crossfit:2 is it)
+    out_estimator = _estimator(out_estimator, "out_estimator")
     if factors in ("rtn", "input"):   # (no H_out)
         return "mean"
     if out_estimator == "auto":
@@ -1016,6 +1033,7 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
                             seed=options["seed"], budget_bytes=memory_budget, layers=todo,
                             sink=sink, progress=bool(progress),
                             out_estimator=options.get("out_estimator", "mean"),
+                            in_estimator=options.get("in_estimator", "mean"),
                             kfac_sink=keep_local if keep else None,
                             accum_dtype=getattr(xp, _ACCUM_DTYPE))
     return rep

@@ -142,6 +142,7 @@ def run(args):
                                  incoherence=None if inc < 0 else inc, keep_weights=True,
                                  refine_iters=refine, tile=(tile, tile), damp=args.damp,
                                  out_estimator=args.out_estimator,
+                                 in_estimator=args.in_estimator,
                                  progress=False, **out_reg)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -153,6 +154,7 @@ def run(args):
                "bits": bits, "incoherence": inc, "factors": factors, "labels": labels,
                "shrink_out": shrink, "damp_out": damp_out, "refine": refine, "tile": tile,
                "damp": args.damp, "out_estimator": args.out_estimator,
+               **({} if args.in_estimator == "mean" else {"in_estimator": args.in_estimator}),
                **({} if args.generated_share is None
                   else {"generated_share": args.generated_share}),
                "rule": (f"damp {auto_damp(inc >= 0)}" + ("" if args.out_estimator == "mean"
@@ -285,7 +287,14 @@ def _rows(paths):
         r.setdefault("tile", 16)   # (rows from before the option: the command's tiles)
         r.setdefault("damp", 0.01)   # (rows from before the option: the command's damping)
         r.setdefault("out_estimator", "mean")
+        r.setdefault("in_estimator", "mean")   # (rows from before the option: the command's)
     return rows
+
+
+def input_factor(r):
+    """The ``H_in`` setting of a row: its damping and, if not the mean, its estimator."""
+    return f"damp {r['damp']:g}" + ("" if r["in_estimator"] == "mean"
+                                    else f", {r['in_estimator']}")
 
 
 def regularisation(r):
@@ -361,7 +370,8 @@ def pool(args):
     column, e.g. ``"damp 3"`` for ``auto: damp 3`` or ``"damp 0.1, crossfit H_out"``)."""
     rows = [r for r in _rows(args.results) if r["incoherence"] >= 0
             and (args.calib is None or r["calib"] == args.calib)]
-    key = (lambda r: (r["format"], r["calib"], r["tokens"], r["bits"], r["tile"], r["damp"]))
+    key = (lambda r: (r["format"], r["calib"], r["tokens"], r["bits"], r["tile"],
+                      input_factor(r)))
     two = {}
     one = {(key(r), r["incoherence"], r.get("host")): r for r in rows
            if r["factors"] == "input"}
@@ -371,15 +381,18 @@ def pool(args):
             label = regularisation(r)
             if args.rule is None or args.rule in (label, label.removeprefix("auto: ")):
                 two.setdefault((key(r), label), []).append(r)
+    # (the texts every run was scored on: runs without the network have no lee)
+    texts = [t for t in TEXTS + ("caldocs",)
+             if all(f"{t}_kl_per_text" in r for runs in two.values() for r in runs)]
     print("| calibration | tokens | bits | tile | H_out | seeds | "
-          + " | ".join(f"{k} KL, input / global | ÷ input ± s.e. (range)" for k in TEXTS)
+          + " | ".join(f"{k} KL, input / global | ÷ input ± s.e. (range)" for k in texts)
           + " |")
-    print("|---" * (6 + 2 * len(TEXTS)) + "|")
+    print("|---" * (6 + 2 * len(texts)) + "|")
     for (k, rule), runs in sorted(two.items()):
         runs = sorted(runs, key=lambda r: r["incoherence"])
         base = [one[(k, r["incoherence"], r.get("host"))] for r in runs]
         cells = []
-        for t in TEXTS:
+        for t in texts:
             a = [x for r in runs for x in r[f"{t}_kl_per_text"]]
             b = [x for q in base for x in q[f"{t}_kl_per_text"]]
             q, se = ratio(a, b)
@@ -388,7 +401,7 @@ def pool(args):
             cells += [f"{np.mean([q_[f'{t}_kl'] for q_ in base]):.3f} / "
                       f"{np.mean([r[f'{t}_kl'] for r in runs]):.3f}",
                       f"**{q:.2f}** ± {se:.2f} ({min(each):.2f}–{max(each):.2f})"]
-        in_damp = "" if k[5] == 0.01 else f", H_in damp {k[5]:g}"
+        in_damp = "" if k[5] == "damp 0.01" else f", H_in {k[5]}"
         print(f"| {k[1]} | {k[2]:,} | {k[3]} | {k[4]}×{k[4]} | {rule}{in_damp} | "
               + ", ".join(str(r["incoherence"]) for r in runs) + " | "
               + " | ".join(cells) + " |")
@@ -400,9 +413,9 @@ def table(args):
     def base_of(r):
         for q in rows:
             if (q["format"], q["calib"], q["seqs"], q["bits"], q["incoherence"], q["tile"],
-                    q["damp"], q.get("host"), q["factors"]) == (
+                    input_factor(q), q.get("host"), q["factors"]) == (
                     r["format"], r["calib"], r["seqs"], r["bits"], r["incoherence"], r["tile"],
-                    r["damp"], r.get("host"), "input"):
+                    input_factor(r), r.get("host"), "input"):
                 return q
         return None
 
@@ -413,7 +426,7 @@ def table(args):
                 "refine": "—" if no_out else str(r["refine"]),
                 "labels": "—" if no_out else r["labels"],
                 "incoherence": "none" if r["incoherence"] < 0 else str(r["incoherence"]),
-                "tile": f"{r['tile']}×{r['tile']}", "H_in damping": f"{r['damp']:g}",
+                "tile": f"{r['tile']}×{r['tile']}", "H_in": input_factor(r),
                 "H_out": regularisation(r), "device": r["device"]}
 
     shown = [k for k in cols(rows[0])
@@ -483,6 +496,10 @@ def main(argv=None):
                    help="H_out from all tokens (mean, the default here), cross-fitted "
                         "halves (crossfit, the command's default for rotated layers) or K "
                         "folds (crossfit:K)")
+    r.add_argument("--in-estimator", default="mean",
+                   help="H_in of both methods from all tokens (mean, the command's default), "
+                        "cross-fitted halves (crossfit) or K folds (crossfit:K); kept in "
+                        "each row when not the mean")
     r.add_argument("--heldout-seed", type=int, default=1000)
     r.add_argument("--generated-share", type=float, default=None, metavar="F",
                    help="share of the generated+docs sequences sampled from the model "

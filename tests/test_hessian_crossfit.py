@@ -295,3 +295,31 @@ def test_fewer_batches_than_folds_crossfit_the_folds_there_are():
     two, _ = bh.global_factors(stages, batches, out_estimator="crossfit")
     for n in two:
         np.testing.assert_array_equal(four[n][1], two[n][1])
+
+
+@pytest.mark.parametrize("out_estimator", ["mean", "crossfit:3"])
+def test_pass_crossfits_h_in_of_k_folds_of_batches(out_estimator):
+    """``in_estimator="crossfit:2"``: batch k's H_in rows in fold k mod 2, each fold's pass
+    alone gives the same sums; H_out is what ``out_estimator`` alone gives."""
+    rng = np.random.default_rng(15)
+    batches = [rng.standard_normal((n, 12)) for n in (5, 4, 6, 3, 5, 4, 2)]
+    labels = [rng.integers(0, 4, size=len(b)) for b in batches]
+
+    def make(lab):
+        return random_mlp([12] * 4 + [4], seed=3, head=bh.SoftmaxCrossEntropy(labels=list(lab)))
+
+    got, _ = bh.global_factors(make(labels), batches, in_estimator="crossfit:2",
+                               out_estimator=out_estimator)
+    out_only, _ = bh.global_factors(make(labels), batches, out_estimator=out_estimator)
+    parts = [bh.global_factors(make(labels[j::2]), batches[j::2])[0] for j in range(2)]
+    ws = [float(sum(len(b) for b in batches[j::2])) for j in range(2)]
+    for n in out_only:
+        ref = crossfit_folds(xp, [p[n][0] for p in parts], ws)
+        np.testing.assert_allclose(got[n][0], ref, rtol=1e-10, atol=1e-12)
+        assert not np.allclose(got[n][0], out_only[n][0], rtol=1e-3)
+        np.testing.assert_array_equal(got[n][1], out_only[n][1])
+
+
+def test_unknown_in_estimator_is_refused():
+    with pytest.raises(ValueError, match="in_estimator must be one of"):
+        bh.global_factors(random_mlp([8, 8, 4], seed=2), [np.ones((3, 8))], in_estimator="x")

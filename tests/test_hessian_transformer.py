@@ -582,3 +582,46 @@ def test_float32_sums_stay_near_float64_sums(out_estimator):
         for a, b in zip(f64[key], f32[key]):
             assert b.dtype == np.float32
             assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), key
+
+
+@pytest.mark.parametrize("budget", [None, 0.6])
+def test_crossfitted_h_in_of_a_shared_input_is_fitted_once(budget, monkeypatch):
+    """``in_estimator="crossfit"``: q/k/v (and gate/up) read one input, so their H_in sums
+    are bitwise equal and the pass cross-fits them once; each layer gets its own copy, equal
+    to the cross-fit of the even and odd batches' H_in, and to what fitting every layer's
+    folds gives."""
+    from bakron.hessian import driver
+    from bakron.hessian.crossfit import crossfit_folds
+
+    w = _weights(42)
+    rng = np.random.default_rng(43)
+    seqs = [list(rng.integers(0, V, size=5)) for _ in range(8)]
+    batches, _ = bh.pad_batches(seqs, batch_size=2)   # 4 batches: two per fold
+    if budget is not None:   # a fraction of the whole run's peak: a split plan
+        _, rep = bh.global_factors(_chain(w), batches, in_estimator="crossfit")
+        budget = int(budget * rep.peak_bytes)
+    fits = []
+    real = driver.crossfit_folds
+
+    def counted(xp, Hs, ws, **kw):
+        fits.append(Hs[0].shape[0])
+        return real(xp, Hs, ws, **kw)
+    monkeypatch.setattr(driver, "crossfit_folds", counted)
+    got, rep = bh.global_factors(_chain(w), batches, in_estimator="crossfit",
+                                 budget_bytes=budget)
+    monkeypatch.undo()
+    if budget is not None:
+        assert len(rep.leaf_ranges) > 1
+    # per block: q/k/v's input, attn_output's, gate/up's, ffn_down's (no H_out cross-fitted)
+    assert sorted(fits) == sorted([D, H * HD, D, FF] * 2)
+    parts = [bh.global_factors(_chain(w), batches[j::2])[0] for j in range(2)]
+    ws = [float(sum(int((b >= 0).sum()) for b in batches[j::2])) for j in range(2)]
+    for key, (Hi, _) in got.items():
+        ref = crossfit_folds(np, [p[key][0] for p in parts], ws)
+        np.testing.assert_allclose(Hi, ref, rtol=1e-10, atol=1e-12)
+    for i in range(2):
+        p = f"blk.{i}."
+        for a, b in ((p + "attn_q", p + "attn_k"), (p + "attn_q", p + "attn_v"),
+                     (p + "ffn_gate", p + "ffn_up")):
+            np.testing.assert_array_equal(got[a][0], got[b][0])
+            assert not np.shares_memory(got[a][0], got[b][0])

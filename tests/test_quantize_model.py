@@ -284,6 +284,32 @@ def test_k_fold_crossfit(models, tmp_path):
                        **{k: v for k, v in kw.items()})
 
 
+def test_in_estimator(models, tmp_path):
+    """in_estimator="crossfit": the cross-fitted H_in for one-sided and two-sided rounding
+    alike (other codes than the mean's); "crossfit:2" is it; a bad value is refused with
+    the argument's name, before anything is written."""
+    kw = dict(fmt="float", sym=False, group_size=16, keep_weights=True, batch_size=1, **FAST)
+    for factors in ("input", "input+global-out"):
+        mean = quantize_model(models / "hf32", tmp_path / f"m{factors}", factors=factors, **kw)
+        cf = quantize_model(models / "hf32", tmp_path / f"c{factors}", factors=factors,
+                            in_estimator="crossfit", **kw)
+        cf2 = quantize_model(models / "hf32", tmp_path / f"k{factors}", factors=factors,
+                             in_estimator="crossfit:2", **kw)
+        for name, W in cf["weights"].items():
+            assert np.array_equal(cf2["weights"][name], W), name
+        assert any(not np.array_equal(cf["weights"][n], mean["weights"][n])
+                   for n in mean["weights"])
+    with pytest.raises(InputError, match="in_estimator must be one of"):
+        quantize_model(models / "hf32", tmp_path / "bad", in_estimator="auto", **kw)
+    assert not (tmp_path / "bad").exists()
+    rc = main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "cli"),
+               "--format", "float", "--in-estimator", "crossfit:1", "--quiet"])
+    assert rc == 2 and not (tmp_path / "cli").exists()
+    assert main(["quantize-model", str(models / "hf32"), "--out", str(tmp_path / "ok"),
+                 "--format", "float", "--factors", "input", "--in-estimator", "crossfit",
+                 "--calib-seqs", "4", "--calib-len", "16", "--quiet"]) == 0
+
+
 def test_calibration_sequences(models):
     from bakron.quantize_model import _builtin_split, calibration_sequences
 

@@ -672,7 +672,8 @@ def _token_masks(xp, first, batches):
 # the public driver
 # --------------------------------------------------------------------------------------------
 def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
-                snapshots=None, accum_dtype=None, layers=None, out_estimator="mean") -> dict:
+                snapshots=None, accum_dtype=None, layers=None, out_estimator="mean",
+                in_estimator="mean") -> dict:
     """What :func:`global_factors` would run, without running it (``out_estimator``: as
     there; a cross-fitted ``H_out`` needs a second buffer).
 
@@ -681,7 +682,8 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
     the same errors (shapes, budget too small) as :func:`global_factors`.
     """
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, None, "token", 0, layers, out_copies=out_folds(out_estimator))
+                 accum_dtype, None, "token", 0, layers, out_copies=out_folds(out_estimator),
+                 in_copies=out_folds(in_estimator, "in_estimator"))
     nodes = list(_walk(P["plan"]))
     return {"leaves": [(n.start, n.stop, n.schedule, n.snapshots) for n in nodes
                        if isinstance(n, _Leaf)],
@@ -692,7 +694,7 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
 
 def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
              accum_dtype, weights, refine, refine_iters, layers=None, products=None,
-             out_copies=1):
+             out_copies=1, in_copies=1):
     stages = list(stages)
     if len(stages) < 2 or not is_head(stages[-1]):
         raise ValueError("stages must be a list of stages ending with a head (e.g. "
@@ -820,8 +822,9 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
     tokens = sum(batch_tokens)
     batch_tokens = list(itertools.accumulate(batch_tokens))   # done after batch k
     sizes = [max(bs[l] for bs in batch_sizes) for l in range(len(body) + 1)]
-    # (a crossfitted H_out is summed in folds: out_copies m x m buffers)
-    buf = [sum((out_copies * layer_shapes[n][0] ** 2 + layer_shapes[n][1] ** 2) * acc_item
+    # (a crossfitted factor is summed in folds: out_copies m x m, in_copies n x n buffers)
+    buf = [sum((out_copies * layer_shapes[n][0] ** 2 + in_copies * layer_shapes[n][1] ** 2)
+               * acc_item
                for n in names) for names in names_at]
     tapes = None   # a stage's tape: kept for its VJP where that follows its evaluation
     draws = _head_draws(head)
@@ -836,13 +839,14 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
                 batch_tokens=batch_tokens,
                 names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
                 acc_dtype=acc_dtype, plan=plan, ids=ids, products=prod_dtype,
-                checkpoint=checkpoint, out_copies=out_copies)
+                checkpoint=checkpoint, out_copies=out_copies, in_copies=in_copies)
 
 
 def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
                    checkpoint="auto", snapshots=None, refine_iters=0, refine="token", seed=0,
                    weights=None, accum_dtype=None, check_finite=True, sink=None, layers=None,
-                   kfac_sink=None, products=None, progress=None, out_estimator="mean"):
+                   kfac_sink=None, products=None, progress=None, out_estimator="mean",
+                   in_estimator="mean"):
     """Kronecker factors ``(H_in, H_out)`` of the Fisher for every linear layer of a chain.
 
     Parameters
@@ -913,6 +917,8 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
         eigendecompositions per layer; ``"crossfit:2"`` is ``"crossfit"``). Refinement steps
         start from it. With one batch it is the mean; with fewer batches than folds, the
         folds there are. On the CPU the layers' eigendecompositions run two at a time.
+    in_estimator : {"mean", "crossfit", "crossfit:K"}
+        The same for ``H_in`` (``n x n`` buffers per fold; batch ``k`` in fold ``k mod K``).
 
     Returns
     -------
@@ -925,7 +931,8 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     t0 = time.perf_counter()
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
                  accum_dtype, weights, refine, refine_iters, layers, products,
-                 out_copies=out_folds(out_estimator))
+                 out_copies=out_folds(out_estimator),
+                 in_copies=out_folds(in_estimator, "in_estimator"))
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
@@ -936,7 +943,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
     run.kfac_sink = kfac_sink
-    run.out_split = P["out_copies"] > 1
+    run.out_split = P["out_copies"] > 1 or P["in_copies"] > 1
     run.progress, close = progress_bar(progress)
     run.passes = sum(1 if isinstance(nd, _Split) else 1 + 2 * int(refine_iters)
                      for nd in _walk(P["plan"]) if not isinstance(nd, _Skip))
@@ -969,34 +976,66 @@ class _Run:
         self.out_split = False
         self.progress, self.passes, self.t0 = None, 0, time.perf_counter()
 
-    def _crossfit_all(self, names, accs, emit=None) -> dict:
-        """``{name: (H_in, crossfitted H_out)}`` of the K-FAC accumulators ``accs`` (popped),
-        in the products' precision; on the CPU two layers at a time (numpy's LAPACK and BLAS
-        release the GIL: the eigendecompositions are most of the work, and a pass under a
-        one-thread BLAS limit leaves the other cores idle). With ``emit``, each layer is
-        handed to ``emit(name, H_in, H_out)`` in order as soon as it is ready (the caller's
-        solve of one layer overlaps the next ones' eigendecompositions) and left out of the
-        returned dict."""
+    def _crossfit_all(self, names, accs, emit=None, same_in=None) -> dict:
+        """``{name: (H_in, H_out)}``, each cross-fitted where it was summed in folds, of the
+        K-FAC accumulators ``accs`` (popped), in the products' precision; on the CPU two
+        factors at a time (numpy's LAPACK and BLAS release the GIL: the eigendecompositions
+        are most of the work, and a pass under a one-thread BLAS limit leaves the other cores
+        idle). ``same_in``: layer -> the layer whose H_in sums it holds (q/k/v, gate/up),
+        whose cross-fitted H_in it gets a copy of. With ``emit``, each layer is handed to
+        ``emit(name, H_in, H_out)`` in order as soon as it is ready (the caller's solve of
+        one layer overlaps the next ones' eigendecompositions) and left out of the returned
+        dict."""
         xp, dtype = self.xp, self.P["products"]
 
-        def one(acc):
-            H_in = acc[0].finish()
-            folds = [a for a in acc[1:] if a.weight != 0]   # (fewer batches than folds)
+        def fit(accs):
+            folds = [a for a in accs if a.weight != 0]   # (fewer batches than folds)
             if len(folds) <= 1:   # one batch (or one fold weighted): nothing to measure on
-                return H_in, (folds or acc[1:])[0].finish()   # the mean
-            return H_in, crossfit_folds(xp, [a.finish() for a in folds],
-                                        [a.weight for a in folds], dtype=dtype)
+                return (folds or accs)[0].finish()   # the mean
+            return crossfit_folds(xp, [a.finish() for a in folds],
+                                  [a.weight for a in folds], dtype=dtype)
+
+        # a folded H_in shared by several layers is cross-fitted once (bitwise the same sums)
+        same_in = same_in or {}
+        lead = {n: (same_in.get(n) if same_in.get(n) in accs and self.P["in_copies"] > 1
+                    else n) for n in names}
+        uses = {}
+        for n in names:
+            uses[lead[n]] = uses.get(lead[n], 0) + 1
 
         out = {}
         workers = min(2, cores()) if _xp.is_numpy(xp) else 0
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
+
+        class _Now:   # (a result computed at once: no pool)
+            def __init__(self, fn, *a):
+                self.value = fn(*a)
+
+            def result(self):
+                return self.value
+
+        submit = (lambda fn, *a: _Now(fn, *a)) if pool is None else pool.submit
         try:
-            if pool is None:
-                ready = ((n, one(accs.pop(n))) for n in names)
-            else:   # (every layer submitted at once; results taken in order, each dropped)
-                jobs = {n: pool.submit(one, accs.pop(n)) for n in names}
-                ready = ((n, jobs.pop(n).result()) for n in names)
-            for n, res in ready:
+            # (every factor submitted at once; results taken in layer order, each dropped)
+            jobs_in, jobs_out = {}, {}
+            for n in names:
+                acc = accs.pop(n)
+                if lead[n] == n:
+                    jobs_in[n] = submit(fit, acc[0])
+                jobs_out[n] = submit(fit, acc[1])
+                del acc
+
+            def ready():
+                for n in names:
+                    k = lead[n]
+                    H_in = jobs_in[k].result()
+                    uses[k] -= 1
+                    if uses[k]:   # (a copy: each layer owns its factors)
+                        H_in = xp.asarray(H_in, copy=True)
+                    else:
+                        del jobs_in[k]
+                    yield n, (H_in, jobs_out.pop(n).result())
+            for n, res in ready():
                 if emit is None:
                     out[n] = res
                 else:
@@ -1115,7 +1154,7 @@ class _Run:
         acc_dtype = P["acc_dtype"]
         dev = _xp.device(P["batches"][0])
         nbuf = sum((P["out_copies"] * P["layer_shapes"][n][0] ** 2
-                    + P["layer_shapes"][n][1] ** 2)
+                    + P["in_copies"] * P["layer_shapes"][n][1] ** 2)
                    * (xp.finfo(acc_dtype).bits // 8) for n in names)
         self.ledger.alloc("buf", nbuf, 0)
         current = {}
@@ -1148,6 +1187,7 @@ class _Run:
                                  f"{name!r}, which is {m} x {n}")
 
         steps = ["kfac"] + ["refine_out", "refine_in"] * self.iters
+        same_in = {}   # layer -> the layer whose H_in products it added (a shared input)
         emitted = False   # the layers were handed to the sink as they were cross-fitted
         for si, step in enumerate(steps):
             accs = {}
@@ -1157,12 +1197,10 @@ class _Run:
             if step == "kfac":
                 for n in names:
                     m_, n_ = P["layer_shapes"][n]
-                    accs[n] = (FactorAccumulator(n_, xp=xp, dtype=acc_dtype, device=dev),
-                               FactorAccumulator(m_, xp=xp, dtype=acc_dtype, device=dev))
-                    if self.out_split:   # H_out of each fold of batches apart (crossfit)
-                        accs[n] += tuple(FactorAccumulator(m_, xp=xp, dtype=acc_dtype,
-                                                           device=dev)
-                                         for _ in range(P["out_copies"] - 1))
+                    # (H_in folds, H_out folds): each fold of batches apart (crossfit)
+                    accs[n] = tuple([FactorAccumulator(size, xp=xp, dtype=acc_dtype, device=dev)
+                                     for _ in range(P[copies])]
+                                    for size, copies in ((n_, "in_copies"), (m_, "out_copies")))
             else:
                 for n in names:
                     H_in, H_out = current[n]
@@ -1206,7 +1244,7 @@ class _Run:
                               self._rows(x[:x.shape[0] // R], n) if _step == "kfac" else
                               self._copies(x, n, R))
                         gram = None
-                        state["shared"] = sh = [x, xs, None]
+                        state["shared"] = sh = [x, xs, None, name]
                         if defer:
                             self.eng._check(xs, f"input of layer {name!r}")
                     g = self._rows(g, m) if R == 1 else self._copies(g, m, R)
@@ -1216,13 +1254,15 @@ class _Run:
                         w_tok = state["w_rows"]
                 if _step == "kfac":
                     if gram is None:
-                        sh[2] = _accs[name][0]._update(xp, xs, state["w_tok"], products=prod,
-                                                       keep=True, check=chk,
-                                                       out=out_buffer(n, True))
-                    else:
-                        _accs[name][0].add_product(*gram)
+                        same_in[name] = None   # (formed its own product: no other's H_in)
+                        sh[2] = _accs[name][0][state["in_fold"]]._update(
+                            xp, xs, state["w_tok"], products=prod, keep=True, check=chk,
+                            out=out_buffer(n, True))
+                    else:   # (the H_in of the layer that formed it, while every batch agrees)
+                        same_in[name] = sh[3] if same_in.get(name, sh[3]) == sh[3] else None
+                        _accs[name][0][state["in_fold"]].add_product(*gram)
                     # H_out: the mean over the R rows of each position (weights repeated)
-                    _accs[name][1 + state["fold"]]._update(
+                    _accs[name][1][state["fold"]]._update(
                         xp, g, w_tok, products=prod, check=chk, out=out_buffer(m, False))
                     return
                 if not seq:
@@ -1250,6 +1290,7 @@ class _Run:
 
             def on_batch(k):
                 state["fold"] = k % P["out_copies"]   # (batch k's H_out fold: crossfit)
+                state["in_fold"] = k % P["in_copies"]
                 state["w"], state["mask"] = P["weights"][k], P["masks"][k]
                 state["w_tok"], state["sel"] = self._batch_rows(k)
                 w_tok, R = state["w_tok"], self.eng.draws
@@ -1264,13 +1305,13 @@ class _Run:
             if step == "kfac" and self.out_split:
                 # (without refinement the layers are final: hand each on as it is ready)
                 emit = self.sink if not self.iters and self.sink is not None else None
-                current.update(self._crossfit_all(names, accs, emit))
+                current.update(self._crossfit_all(names, accs, emit, same_in))
                 emitted = emit is not None
             else:
                 for n in names:   # finalise layer by layer, dropping each accumulator at once
                     acc = accs.pop(n)
                     if step == "kfac":
-                        current[n] = (acc[0].finish(), acc[1].finish())
+                        current[n] = (acc[0][0].finish(), acc[1][0].finish())
                     elif step == "refine_out":
                         current[n] = (current[n][0], acc.finish())
                     else:
