@@ -674,8 +674,8 @@ def _token_masks(xp, first, batches):
 def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, checkpoint="auto",
                 snapshots=None, accum_dtype=None, layers=None, out_estimator="mean",
                 in_estimator="mean") -> dict:
-    """What :func:`global_factors` would run, without running it (``out_estimator``: as
-    there; a cross-fitted ``H_out`` needs a second buffer).
+    """What :func:`global_factors` would run, without running it (``out_estimator``,
+    ``in_estimator``: as there; a factor cross-fitted from K folds needs K buffers).
 
     Returns ``{"leaves": [(start, stop, schedule, snapshots), ...], "splits": [(start, stop,
     cut, schedule, snapshots), ...], "planned_peak_bytes": int}`` in execution order; raises
@@ -943,7 +943,7 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, refine, int(refine_iters), sink)
     run.kfac_sink = kfac_sink
-    run.out_split = P["out_copies"] > 1 or P["in_copies"] > 1
+    run.folded = P["out_copies"] > 1 or P["in_copies"] > 1   # (a factor summed in folds)
     run.progress, close = progress_bar(progress)
     run.passes = sum(1 if isinstance(nd, _Split) else 1 + 2 * int(refine_iters)
                      for nd in _walk(P["plan"]) if not isinstance(nd, _Skip))
@@ -973,7 +973,7 @@ class _Run:
         self.h_cache, self.d_cache = {}, {}
         self.results = {}
         self.kfac_sink = None
-        self.out_split = False
+        self.folded = False
         self.progress, self.passes, self.t0 = None, 0, time.perf_counter()
 
     def _crossfit_all(self, names, accs, emit=None, same_in=None) -> dict:
@@ -1302,7 +1302,7 @@ class _Run:
             self.eng.vjp_done = lambda: state.__setitem__("shared", None)
             rec = SweepRecord(step, a, b, None, node.schedule, node.snapshots)
             self._sweep(rec, a, a, b, on_batch)
-            if step == "kfac" and self.out_split:
+            if step == "kfac" and self.folded:
                 # (without refinement the layers are final: hand each on as it is ready)
                 emit = self.sink if not self.iters and self.sink is not None else None
                 current.update(self._crossfit_all(names, accs, emit, same_in))
