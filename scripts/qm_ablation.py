@@ -24,6 +24,7 @@ standard error (:func:`ratio`). Rows are appended to ``--out`` as they finish.
     python scripts/qm_ablation.py table runs.json
     python scripts/qm_ablation.py pool runs.json     # rotation seeds pooled per setting
     python scripts/qm_ablation.py shift runs.json    # calibrated on one source, scored on the other
+    python scripts/qm_ablation.py score --weights w --text FILE --out more.json   # saved runs
 """
 from __future__ import annotations
 
@@ -228,6 +229,29 @@ def compose(args):
             _append(args.out, row)
 
 
+def score(args):
+    """The runs saved by ``run --save-weights`` scored afterwards on text files (windows of 64
+    tokens, as ``run --text``): each run's row again, with the files' figures added."""
+    from bakron.io import array_namespace as namespace
+    from bakron.models import load_llm
+    from bakron.models.llm.evaluation import _Reference, file_texts
+
+    xp, _ = namespace(args.device)
+    lm = load_llm("smollm2", xp=xp)
+    ref = _Reference(lm, file_texts(lm, args.text), 16)
+    for d in map(Path, args.weights):
+        for meta in sorted(d.glob("*.json")):
+            if not meta.with_suffix(".npz").exists():
+                continue
+            row = json.loads(meta.read_text())
+            W = dict(np.load(meta.with_suffix(".npz")))
+            figs = ref.score(lm.with_weights({n: xp.asarray(w) for n, w in W.items()}))
+            row.update({f"{k}_{m}": figs[k][m] for k in figs
+                        for m in ("kl", "kl_text_sem", "kl_per_text")})
+            say(f"{meta.stem}: " + "  ".join(f"{k} {figs[k]['kl']:.4f}" for k in figs))
+            _append(args.out, row)
+
+
 def compose_table(args):
     """Per composition, the rotation seeds of each width pooled: the ratio of its mean KLs to
     all input's on every text and to all global's on ``gen`` (paired by seed and text), ±
@@ -381,9 +405,14 @@ def pool(args):
             label = regularisation(r)
             if args.rule is None or args.rule in (label, label.removeprefix("auto: ")):
                 two.setdefault((key(r), label), []).append(r)
-    # (the texts every run was scored on: runs without the network have no lee)
-    texts = [t for t in TEXTS + ("caldocs",)
-             if all(f"{t}_kl_per_text" in r for runs in two.values() for r in runs)]
+    # (the texts every run was scored on: runs without the network have no lee; files of
+    # run --text or score after the built-in ones)
+    runs_all = [q for (k, _), runs in two.items() for r in runs
+                for q in (r, one[(k, r["incoherence"], r.get("host"))])]
+    common = set.intersection(*[{k.removesuffix("_kl_per_text") for k in r
+                                 if k.endswith("_kl_per_text")} for r in runs_all] or [set()])
+    texts = [t for t in TEXTS + ("caldocs",) if t in common] + sorted(
+        common - set(TEXTS) - {"caldocs"})
     print("| calibration | tokens | bits | tile | H_out | seeds | "
           + " | ".join(f"{k} KL, input / global | ÷ input ± s.e. (range)" for k in texts)
           + " |")
@@ -532,11 +561,17 @@ def main(argv=None):
     t.add_argument("--calib", default=None, help="only this calibration")
     t.add_argument("--rule", default=None,
                    help="only this H_out column (e.g. 'damp 3' for 'auto: damp 3')")
+    s = sub.add_parser("score", help="runs saved with --save-weights scored on text files")
+    s.add_argument("--weights", required=True, nargs="+", metavar="DIR")
+    s.add_argument("--text", action="append", required=True, metavar="FILE",
+                   help="a text file, cut into windows of 64 tokens; repeatable")
+    s.add_argument("--out", required=True)
+    s.add_argument("--device", default="cpu")
     t = sub.add_parser("shift", help="runs calibrated on one source, scored on the other")
     t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
     {"run": run, "table": table, "pool": pool, "compose": compose,
-     "compose-table": compose_table, "shift": shift}[args.cmd](args)
+     "compose-table": compose_table, "shift": shift, "score": score}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,37 @@ def test_shift_pairs_each_source_with_the_other_and_pools_seeds(tmp_path, capsys
     np.testing.assert_allclose(got, [want["generated"], want["builtin"]], atol=5e-4)
     assert abs(float(cells[5]) - math.sqrt(want["generated"] * want["builtin"])) < 1e-3
     assert cells[6].startswith("0.800") and cells[7].startswith("0.800")   # same source
+
+
+def test_pool_shows_every_text_all_runs_were_scored_on(tmp_path, capsys):
+    """Texts of ``run --text`` or ``score`` (here ``novel``) get a column after the built-in
+    ones when every paired run has them; one that a run lacks (``lee``) gets none."""
+    rng = np.random.default_rng(1)
+    rows, a, b = [], [], []
+    for seed in (0, 1):
+        one = {t: list(rng.uniform(0.5, 1.0, 5)) for t in ("gen", "novel")}
+        two = {t: [0.9 * x for x in one[t]] for t in one}
+        two["novel"] = [x * f for x, f in zip(one["novel"], (0.5, 0.7, 0.8, 0.9, 1.1))]
+        for factors, kl in (("input", one), ("global", two)):
+            r = {**_row("generated+docs", factors, seed, kl["gen"], kl["gen"]),
+                 "format": "float", "tile": 16, "refine": 0, "damp": 0.01, "rule": None,
+                 "novel_kl_per_text": kl["novel"]}
+            r.update({f"{t}_kl": float(np.mean(v)) for t, v in kl.items()})
+            r["caldocs_kl"] = r["gen_kl"]
+            if seed == 0 and factors == "global":
+                r["lee_kl_per_text"] = [0.1] * 5   # (only one run: no lee column)
+            rows.append(r)
+        a += two["novel"]
+        b += one["novel"]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    qm.main(["pool", str(path)])
+    out = capsys.readouterr().out.splitlines()
+    head = [c.strip() for c in out[0].strip("|").split("|")]
+    assert "lee KL, input / global" not in head
+    i = head.index("novel KL, input / global")
+    assert head.index("gen KL, input / global") < head.index("caldocs KL, input / global") < i
+    cells = [c.strip() for c in out[2].strip("|").split("|")]
+    assert cells[5] == "0, 1"
+    assert abs(float(cells[i + 1].split()[0].strip("*")) - np.mean(a) / np.mean(b)) < 5e-3
+    assert cells[head.index("gen KL, input / global") + 1].startswith("**0.90**")
