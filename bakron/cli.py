@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from .factors import OUT_ESTIMATORS, out_folds  # (bakron's __init__ imports bakron.factors)
+from .factors import OUT_ESTIMATORS, estimator_folds  # (bakron's __init__ imports it)
 
 __all__ = ["main", "EXIT_OK", "EXIT_LAYER_FAILED", "EXIT_USAGE", "EXIT_OUT_EXISTS",
            "EXIT_UNAVAILABLE", "EXIT_WRITE_FAILED", "EXIT_INTERRUPTED"]
@@ -212,7 +212,7 @@ def _out_estimator(text: str) -> str:
 
 def _in_estimator(text: str, auto: str = "") -> str:
     try:
-        out_folds(text)
+        estimator_folds(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"must be {auto}{', '.join(OUT_ESTIMATORS)} or crossfit:K with K >= 2 folds, "

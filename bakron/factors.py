@@ -16,7 +16,7 @@ from ._validate import (check_damp, check_finite, check_int, check_matrix, check
 
 __all__ = ["block_ldl", "prepare_factor", "Factor", "NotPositiveDefiniteError", "check_shrink",
            "auto_regularization", "AUTO_DAMP_OUT",
-           "AUTO_DAMP_OUT_ROTATED", "AUTO_DAMP_OUT_CROSSFIT", "OUT_ESTIMATORS", "out_folds"]
+           "AUTO_DAMP_OUT_ROTATED", "AUTO_DAMP_OUT_CROSSFIT", "OUT_ESTIMATORS", "estimator_folds"]
 
 
 class NotPositiveDefiniteError(ValueError):
@@ -235,13 +235,14 @@ AUTO_DAMP_OUT_ROTATED = 3.0
 #: the same for a rotated layer whose ``H_out`` is cross-fitted
 #: (:func:`bakron.hessian.crossfit.crossfit`)
 AUTO_DAMP_OUT_CROSSFIT = 0.1
-#: how a global ``H_out`` is formed from its rows (:func:`bakron.hessian.global_factors`):
-#: the K-FAC mean, or the cross-fitted halves (:func:`bakron.hessian.crossfit.crossfit`);
-#: ``"crossfit:K"`` cross-fits K folds (:func:`bakron.hessian.crossfit.crossfit_folds`)
+#: how a global ``H_out`` (``out_estimator``) or ``H_in`` (``in_estimator``) is formed from its
+#: rows (:func:`bakron.hessian.global_factors`): the K-FAC mean, or the cross-fitted halves
+#: (:func:`bakron.hessian.crossfit.crossfit`); ``"crossfit:K"`` cross-fits K folds
+#: (:func:`bakron.hessian.crossfit.crossfit_folds`)
 OUT_ESTIMATORS = ("mean", "crossfit")
 
 
-def out_folds(estimator, argument: str = "out_estimator") -> int:
+def estimator_folds(estimator, argument: str = "out_estimator") -> int:
     """The number of sums a factor estimator keeps apart: 1 for ``"mean"``, 2 for
     ``"crossfit"``, ``K`` for ``"crossfit:K"`` (``K >= 2``); ``ValueError`` naming
     ``argument`` for any other value."""
@@ -280,7 +281,7 @@ def auto_regularization(width: int, tokens: int, *, rotated: bool = False,
     """
     check_int(width, "width", minimum=1)
     check_int(tokens, "tokens", minimum=1)
-    folds = out_folds(estimator)
+    folds = estimator_folds(estimator)
     if not rotated:
         return 0.0, AUTO_DAMP_OUT
     return 0.0, AUTO_DAMP_OUT_CROSSFIT if folds > 1 else AUTO_DAMP_OUT_ROTATED

@@ -960,12 +960,12 @@ def _incoherence_seed(incoherence, fmt, factors) -> int | None:
 def _estimator(value, name, auto=True) -> str:
     """``value`` of the estimator argument ``name`` checked (``"crossfit:2"`` is
     ``"crossfit"``; ``"auto"`` kept where ``auto``); ``InputError`` naming a bad value."""
-    from .factors import OUT_ESTIMATORS, out_folds
+    from .factors import OUT_ESTIMATORS, estimator_folds
 
     if auto and value == "auto":
         return value
     try:
-        folds = out_folds(value, name)
+        folds = estimator_folds(value, name)
     except ValueError:
         either = "'auto', " if auto else ""
         raise InputError(f"{name} must be {either}one of {OUT_ESTIMATORS} or 'crossfit:K' "

@@ -7,7 +7,7 @@ import pytest
 
 import bakron.hessian as bh
 from bakron.hessian._examples import random_mlp
-from bakron.factors import out_folds
+from bakron.factors import estimator_folds
 from bakron.hessian.crossfit import crossfit, crossfit_folds
 
 
@@ -255,11 +255,12 @@ def test_folds_need_weights_and_two_folds(folds):
         crossfit_folds(xp, Hs, ws[:3])
 
 
-def test_out_folds_parses_the_estimator():
-    assert [out_folds(e) for e in ("mean", "crossfit", "crossfit:2", "crossfit:5")] == [1, 2, 2, 5]
+def test_estimator_folds_parses_the_estimator():
+    assert [estimator_folds(e)
+            for e in ("mean", "crossfit", "crossfit:2", "crossfit:5")] == [1, 2, 2, 5]
     for bad in ("crossfit:1", "crossfit:", "crossfit:x", "median", "mean:2", 3, None):
         with pytest.raises(ValueError, match="out_estimator must be one of"):
-            out_folds(bad)
+            estimator_folds(bad)
 
 
 def test_pass_crossfits_k_folds_of_batches():

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from .. import _xp
 from .._lib.threads import cores
 from .._validate import check_finite
-from ..factors import out_folds
+from ..factors import estimator_folds
 from .accumulate import (FactorAccumulator, frobenius_sq, gram_buffer, sequence_mix,
                          token_quadratic)
 from .checkpoint import SCHEDULES, bisection_slots, split_point
@@ -682,8 +682,8 @@ def plan_global(stages, calib_inputs, *, batch_size=None, budget_bytes=None, che
     the same errors (shapes, budget too small) as :func:`global_factors`.
     """
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
-                 accum_dtype, None, "token", 0, layers, out_copies=out_folds(out_estimator),
-                 in_copies=out_folds(in_estimator, "in_estimator"))
+                 accum_dtype, None, "token", 0, layers, out_copies=estimator_folds(out_estimator),
+                 in_copies=estimator_folds(in_estimator, "in_estimator"))
     nodes = list(_walk(P["plan"]))
     return {"leaves": [(n.start, n.stop, n.schedule, n.snapshots) for n in nodes
                        if isinstance(n, _Leaf)],
@@ -931,8 +931,8 @@ def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
     t0 = time.perf_counter()
     P = _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapshots,
                  accum_dtype, weights, refine, refine_iters, layers, products,
-                 out_copies=out_folds(out_estimator),
-                 in_copies=out_folds(in_estimator, "in_estimator"))
+                 out_copies=estimator_folds(out_estimator),
+                 in_copies=estimator_folds(in_estimator, "in_estimator"))
     xp, body, batches = P["xp"], P["body"], P["batches"]
     L = len(body)
     report = HessianReport(n_stages=L, n_batches=len(batches), n_layers=len(P["layer_shapes"]),
