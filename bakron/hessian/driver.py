@@ -839,7 +839,7 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
                 batch_tokens=batch_tokens,
                 names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
                 acc_dtype=acc_dtype, plan=plan, ids=ids, products=prod_dtype,
-                checkpoint=checkpoint, out_copies=out_copies, in_copies=in_copies)
+                checkpoint=checkpoint, out_copies=out_copies, in_copies=in_copies, buf=buf)
 
 
 def global_factors(stages, calib_inputs, *, batch_size=None, budget_bytes=None,
@@ -1153,9 +1153,7 @@ class _Run:
         owner = {n: i for i in range(a, b) for n in P["names_at"][i]}
         acc_dtype = P["acc_dtype"]
         dev = _xp.device(P["batches"][0])
-        nbuf = sum((P["out_copies"] * P["layer_shapes"][n][0] ** 2
-                    + P["in_copies"] * P["layer_shapes"][n][1] ** 2)
-                   * (xp.finfo(acc_dtype).bits // 8) for n in names)
+        nbuf = sum(P["buf"][a:b])   # (this leaf's factor buffers, as the plan counts them)
         self.ledger.alloc("buf", nbuf, 0)
         current = {}
         state = {"w": None, "mask": None, "w_tok": None, "sel": None, "shared": None}
