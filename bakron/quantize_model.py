@@ -367,10 +367,15 @@ def _calibration_batches(lm, xp, seqs, batch_size):
 
 
 def _check_memory_budget(lm, xp, seqs, todo, memory_budget, batch_size, out_estimator="mean",
-                         in_estimator="mean"):
+                         in_estimator="mean", factors="global"):
     """``memory_budget`` holds a schedule of the Hessian passes over the layers ``todo``
-    (:func:`bakron.hessian.plan_global`, nothing is computed); the error names the option."""
+    (:func:`bakron.hessian.plan_global`, nothing is computed; for ``factors="input"`` the
+    forward-only pass, or else that plan); the error names the option."""
     if memory_budget is None or not todo:
+        return
+    if factors == "input" and _forward_fits(lm, xp, _calibration_batches(lm, xp, seqs,
+                                                                         batch_size),
+                                            todo, in_estimator, memory_budget):
         return
     from .hessian import plan_global
     from .hessian.driver import _TooSmall
@@ -820,7 +825,7 @@ def quantize_model(model, out, *, fmt: str = "gguf-q4_0", factors: str = "global
             ready = finished()
             _check_memory_budget(lm, xp, seqs, [n for n in names if n not in ready],
                                  memory_budget, batch_size, out_estimator,
-                                 options.get("in_estimator", "mean"))
+                                 options.get("in_estimator", "mean"), factors)
         run = {"key": key, "version": _VERSION, "model": str(model),
                "source": str(Path(src).resolve()),
                "model_hash": model_hash, "grid": grid, "factors": factors, "options": options,
@@ -1023,6 +1028,20 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
         else:
             finish(name, local.pop(name) if keep else H_in, H_out)
 
+    in_estimator = options.get("in_estimator", "mean")
+    if factors == "input" and _forward_fits(lm, xp, batches, todo, in_estimator,
+                                            memory_budget):
+        # one-sided rounding needs H_in alone: forward passes, no head, no backward pass
+        from .hessian import input_factors
+
+        if progress:
+            from .hessian.cost import announce
+
+            _say(progress, announce(lm.stages(), seqs, passes=1, batch_size=batch_size,
+                                    xp=xp, forward_only=True))
+        return input_factors(lm.stages(), batches, layers=todo, sink=sink,
+                             progress=bool(progress), in_estimator=in_estimator,
+                             accum_dtype=getattr(xp, _ACCUM_DTYPE))[1]
     if progress:
         from .hessian.cost import announce
 
@@ -1033,10 +1052,21 @@ def _collect(lm, xp, seqs, todo, factors, options, memory_budget, batch_size, fi
                             seed=options["seed"], budget_bytes=memory_budget, layers=todo,
                             sink=sink, progress=bool(progress),
                             out_estimator=options.get("out_estimator", "mean"),
-                            in_estimator=options.get("in_estimator", "mean"),
+                            in_estimator=in_estimator,
                             kfac_sink=keep_local if keep else None,
                             accum_dtype=getattr(xp, _ACCUM_DTYPE))
     return rep
+
+
+def _forward_fits(lm, xp, batches, todo, in_estimator, memory_budget) -> bool:
+    """Whether the forward-only pass of ``H_in`` fits ``memory_budget`` (always without one;
+    else the budgeted global pass collects it, the same ``H_in``)."""
+    if memory_budget is None:
+        return True
+    from .hessian.forward import input_peak_bytes
+
+    return input_peak_bytes(lm.stages(), batches, layers=todo, in_estimator=in_estimator,
+                            accum_dtype=getattr(xp, _ACCUM_DTYPE)) <= memory_budget
 
 
 def _export(fmt, out, src, layers):

@@ -310,6 +310,35 @@ def test_in_estimator(models, tmp_path):
                  "--calib-seqs", "4", "--calib-len", "16", "--quiet"]) == 0
 
 
+@pytest.mark.parametrize("in_estimator", ["mean", "crossfit"])
+def test_one_sided_rounding_takes_the_forward_pass(models, tmp_path, monkeypatch,
+                                                   in_estimator):
+    """``factors="input"`` collects H_in by forward passes alone (no head, no backward pass)
+    and writes bitwise the weights the K-FAC pass's H_in gives; the budgeted global pass
+    takes over when the forward pass does not fit ``memory_budget``, and a budget neither
+    fits is refused by name."""
+    import bakron.hessian
+    import bakron.quantize_model as qm
+
+    kw = dict(fmt="float", sym=False, group_size=16, keep_weights=True, batch_size=1,
+              factors="input", in_estimator=in_estimator, **FAST)
+    calls = []
+    real = bakron.hessian.input_factors
+    monkeypatch.setattr(bakron.hessian, "input_factors",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    fwd = quantize_model(models / "hf32", tmp_path / "f", **kw)
+    assert calls == [1]
+    monkeypatch.setattr(qm, "_forward_fits", lambda *a: False)
+    glob = quantize_model(models / "hf32", tmp_path / "g", **kw)
+    assert calls == [1]
+    assert fwd["weights"].keys() == glob["weights"].keys()
+    for name, W in fwd["weights"].items():
+        assert np.array_equal(glob["weights"][name], W), name
+    monkeypatch.undo()
+    with pytest.raises(InputError, match=r"memory_budget \(--memory-budget\) 1 bytes"):
+        quantize_model(models / "hf32", tmp_path / "b", memory_budget=1, **kw)
+
+
 def test_calibration_sequences(models):
     from bakron.quantize_model import _builtin_split, calibration_sequences
 

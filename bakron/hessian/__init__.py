@@ -34,6 +34,8 @@ Usage (numpy or cupy; the digits MLP of ``bakron demo``)::
   second, the pass, the time left); a callable receives a :class:`Progress` per batch.
 - ``sink=fn`` receives ``fn(name, H_in, H_out)`` as soon as a layer is final (write factors
   out instead of keeping them); ``plan_global(...)`` shows the plan without running it.
+- ``input_factors(stages, X_calib, ...)`` gives ``H_in`` alone (one-sided rounding) from
+  forward passes: no head, no backward pass, bitwise the ``H_in`` of ``global_factors``.
 - Bad input (mismatched shapes between stages, NaN/Inf activations or gradients, a budget too
   small for any plan) raises ``ValueError`` naming the stage, batch or sizes.
 
@@ -60,15 +62,17 @@ from .accumulate import (FactorAccumulator, pack_upper, sequence_mix, token_quad
 from .checkpoint import (bisection_cost, bisection_slots, binomial_cost, binomial_steps,
                          reversal_cost, reversal_slots)
 from .driver import HessianReport, SweepRecord, global_factors, plan_global
+from .forward import input_factors
 from .progress import Progress
 from .reference import exact_fisher, nearest_kronecker, per_sequence_gradients
 from .stages import (GELU, Bias, HeadContext, LayerNorm, Linear, ReLU, Residual,
-                     SoftmaxCrossEntropy)
+                     SoftmaxCrossEntropy, forward_collect)
 from .transformer import (Attention, Embedding, LMHead, RMSNorm, SwiGLU, pad_batches,
                           rope_inv_freq)
 
 __all__ = [
-    "global_factors", "plan_global", "HessianReport", "SweepRecord",
+    "global_factors", "plan_global", "input_factors", "forward_collect", "HessianReport",
+    "SweepRecord",
     "Linear", "Bias", "ReLU", "GELU", "LayerNorm", "Residual", "SoftmaxCrossEntropy",
     "HeadContext", "FactorAccumulator", "token_quadratic", "sequence_mix", "pack_upper",
     "unpack_upper", "reversal_cost", "reversal_slots", "binomial_cost", "binomial_steps",

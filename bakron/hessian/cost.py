@@ -38,14 +38,15 @@ def pass_gemms(stages, rows: int, seqs=None) -> dict:
     """The matrix products of one pass of ``stages`` over ``rows`` real token rows (``seqs``:
     ``(count, length)`` of the attention's sequences, for its score products):
     ``{"N": rows, "fwd": [...], "vjp": [...], "in": [n, ...], "out": [m, ...],
-    "layers": [(m, n), ...]}``. GEMMs are ``("gemm", M, K, N)``, batched ones
+    "layers": [(m, n), ...], "head": [...]}`` (``head``: the head's forward products, also in
+    ``fwd``). GEMMs are ``("gemm", M, K, N)``, batched ones
     ``("bmm", count, M, K, N)``; ``in``/``out`` are the sizes of the factor updates of a K-FAC
     pass (one ``H_in`` per distinct input), ``layers`` every linear's ``(m, n)``."""
     from .stages import Linear, Residual, SoftmaxCrossEntropy
     from .transformer import Attention, Embedding, LMHead, SwiGLU
 
     N = int(rows)
-    out = {"N": N, "fwd": [], "vjp": [], "in": [], "out": [], "layers": []}
+    out = {"N": N, "fwd": [], "vjp": [], "in": [], "out": [], "layers": [], "head": []}
 
     def walk(chain, first):
         for i, st in enumerate(chain):
@@ -75,6 +76,7 @@ def pass_gemms(stages, rows: int, seqs=None) -> dict:
             elif isinstance(st, LMHead):
                 V, d = st.W_out.shape
                 out["fwd"].append(("gemm", N, d, V))
+                out["head"].append(("gemm", N, d, V))
                 out["vjp"].append(("gemm", N, V, d))
             elif isinstance(st, (Embedding, SoftmaxCrossEntropy)):
                 pass
@@ -92,15 +94,18 @@ def _flops(item) -> float:
 
 def pass_flops(g: dict) -> dict:
     """FLOPs of a pass by part (``forward``, ``vjp``, ``kfac``/``refine`` products; a
-    symmetric rank-k update of ``k`` rows of size ``n`` counts ``k n²``)."""
+    symmetric rank-k update of ``k`` rows of size ``n`` counts ``k n²``; ``inputs``: the
+    forward-only pass of :func:`~bakron.hessian.input_factors`, no head, ``H_in`` alone)."""
     N = g["N"]
     fwd = sum(map(_flops, g["fwd"]))
     vjp = sum(map(_flops, g["vjp"]))
     kfac = float(N) * (sum(n * n for n in g["in"]) + sum(m * m for m in g["out"]))
     refine = max(sum(2.0 * N * n * n + N * m * m for m, n in g["layers"]),
                  sum(2.0 * N * m * m + N * n * n for m, n in g["layers"]))
+    head = sum(map(_flops, g.get("head", ())))
+    inputs = fwd - head + float(N) * sum(n * n for n in g["in"])
     return {"forward": fwd, "vjp": vjp, "kfac_products": kfac, "refine_products": refine,
-            "kfac": fwd + vjp + kfac, "refine": fwd + vjp + refine}
+            "kfac": fwd + vjp + kfac, "refine": fwd + vjp + refine, "inputs": inputs}
 
 
 def gemm_rate(n: int = 1024, k: int = 576, m: int = 1536, dtype="float32",
@@ -130,9 +135,10 @@ def gemm_rate(n: int = 1024, k: int = 576, m: int = 1536, dtype="float32",
 
 def estimate_seconds(stages, tokens: int, *, passes: int, seq_len: int = 128,
                      batch_tokens: int = 1024, refine: bool = True, rate=None,
-                     xp=None) -> float:
+                     xp=None, forward_only: bool = False) -> float:
     """Predicted wall time of ``passes`` passes over ``tokens`` calibration tokens
-    (the first a K-FAC pass, the others refinement passes when ``refine``): the passes'
+    (the first a K-FAC pass, the others refinement passes when ``refine``; with
+    ``forward_only``, forward passes of :func:`~bakron.hessian.input_factors`): the passes'
     FLOPs at ``rate`` (default: :func:`gemm_rate` measured now on the chain's hidden size,
     in ``xp``) times :data:`OVERHEAD`."""
     if passes <= 0 or tokens <= 0:
@@ -144,18 +150,26 @@ def estimate_seconds(stages, tokens: int, *, passes: int, seq_len: int = 128,
     if rate is None:
         k = max((n for _, n in g["layers"]), default=576)
         rate = gemm_rate(n=rows, k=min(k, 4096), m=min(4 * k, 8192), xp=xp)
-    per_token = (f["kfac"] + (passes - 1) * (f["refine"] if refine else f["kfac"])) / rows
+    if forward_only:
+        per_token = passes * f["inputs"] / rows
+    else:
+        per_token = (f["kfac"] + (passes - 1) * (f["refine"] if refine else f["kfac"])) / rows
     return OVERHEAD * per_token * int(tokens) / rate
 
 
-def announce(stages, seqs, *, passes: int, batch_size: int, xp=None) -> str:
+def announce(stages, seqs, *, passes: int, batch_size: int, xp=None,
+             forward_only: bool = False) -> str:
     """``"global Hessians: 3 passes over 16,384 calibration tokens, about 6 min on this
-    machine"``: the line a command prints before it collects (``seqs``: the token lists)."""
+    machine"`` (``forward_only``: ``"input factors: 1 forward pass over ..."``): the line a
+    command prints before it collects (``seqs``: the token lists)."""
     from .progress import format_duration
 
     tokens = sum(len(s) for s in seqs)
     T = max((len(s) for s in seqs), default=1)
     est = estimate_seconds(stages, tokens, passes=passes, seq_len=T,
-                           batch_tokens=max(1, batch_size) * T, xp=xp)
-    return (f"global Hessians: {passes} pass{'es' if passes != 1 else ''} over {tokens:,} "
-            f"calibration tokens, about {format_duration(est)} on this machine")
+                           batch_tokens=max(1, batch_size) * T, xp=xp,
+                           forward_only=forward_only)
+    what = "input factors: 1 forward pass" if forward_only else (
+        f"global Hessians: {passes} pass{'es' if passes != 1 else ''}")
+    return (f"{what} over {tokens:,} calibration tokens, about {format_duration(est)} on "
+            f"this machine")

@@ -31,7 +31,7 @@ from .accumulate import (FactorAccumulator, frobenius_sq, gram_buffer, sequence_
 from .checkpoint import SCHEDULES, bisection_slots, split_point
 from .crossfit import crossfit_folds
 from .progress import Progress, progress_bar
-from .stages import HeadContext, is_head, stage_label
+from .stages import HeadContext, forward_collect, is_head, stage_label
 
 __all__ = ["global_factors", "HessianReport", "SweepRecord", "plan_global"]
 
@@ -97,7 +97,8 @@ class SweepRecord:
 
 @dataclass
 class HessianReport:
-    """What :func:`global_factors` did and how much memory it held."""
+    """What :func:`global_factors` (or :func:`~bakron.hessian.input_factors`, with
+    ``checkpoint="forward"``) did and how much memory it held."""
 
     n_stages: int
     n_batches: int
@@ -141,6 +142,12 @@ class HessianReport:
 
     def __str__(self) -> str:
         mib = 2.0 ** 20
+        if self.checkpoint == "forward":   # (input_factors: one forward pass, no H_out)
+            return (f"input factors (forward only): {self.n_layers} linear layers, "
+                    f"{self.n_stages} stages, {self.n_batches} batches, stage evaluations "
+                    f"{self.stage_evals}\n  peak {self.peak_bytes / mib:.2f} MiB (activations "
+                    f"{self.peak_activation_bytes / mib:.2f}, buffers "
+                    f"{self.peak_buffer_bytes / mib:.2f}), {self.seconds:.2f} s")
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / mib:.2f} MiB"
         return (f"global Hessians: {self.n_layers} linear layers, {self.n_stages} stages, "
                 f"{self.n_batches} batches, budget {budget}\n"
@@ -480,12 +487,16 @@ class _Engine:
     def tape_nbytes(self, i):
         return self.tapes[i][1] if i in self.tapes else 0
 
-    def forward(self, i, h, keep=False):
+    def forward(self, i, h, keep=False, collect=None):
         """Stage ``i``'s output; ``keep``: its VJP follows, so keep the stage's tape (when it
-        has ``forward_tape`` and the head draws one row per position)."""
+        has ``forward_tape`` and the head draws one row per position); ``collect(key, x)``:
+        called with each linear weight's input rows (:func:`~bakron.hessian.forward_collect`,
+        the forward-only pass)."""
         self.evals += 1
         stage = self.body[i]
-        if keep and _keeps_tape(stage, self.draws):
+        if collect is not None:
+            y = forward_collect(stage, self.xp, h, collect)
+        elif keep and _keeps_tape(stage, self.draws):
             if i in self.tapes:
                 raise RuntimeError(f"stage {stage_label(stage, i)}: a tape is kept already")
             y, tape = stage.forward_tape(self.xp, h)
@@ -839,6 +850,7 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
                 batch_tokens=batch_tokens,
                 names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
                 acc_dtype=acc_dtype, plan=plan, ids=ids, products=prod_dtype,
+                act_item=itemsize,
                 checkpoint=checkpoint, out_copies=out_copies, in_copies=in_copies, buf=buf)
 
 
@@ -982,7 +994,8 @@ class _Run:
         factors at a time (numpy's LAPACK and BLAS release the GIL: the eigendecompositions
         are most of the work, and a pass under a one-thread BLAS limit leaves the other cores
         idle). ``same_in``: layer -> the layer whose H_in sums it holds (q/k/v, gate/up),
-        whose cross-fitted H_in it gets a copy of. With ``emit``, each layer is handed to
+        whose cross-fitted H_in it gets a copy of; an ``H_out`` accumulator of ``None`` (the
+        forward-only pass) gives ``None``. With ``emit``, each layer is handed to
         ``emit(name, H_in, H_out)`` in order as soon as it is ready (the caller's solve of
         one layer overlaps the next ones' eigendecompositions) and left out of the returned
         dict."""
@@ -1022,7 +1035,7 @@ class _Run:
                 acc = accs.pop(n)
                 if lead[n] == n:
                     jobs_in[n] = submit(fit, acc[0])
-                jobs_out[n] = submit(fit, acc[1])
+                jobs_out[n] = None if acc[1] is None else submit(fit, acc[1])
                 del acc
 
             def ready():
@@ -1034,7 +1047,8 @@ class _Run:
                         H_in = xp.asarray(H_in, copy=True)
                     else:
                         del jobs_in[k]
-                    yield n, (H_in, jobs_out.pop(n).result())
+                    job = jobs_out.pop(n)   # (None: no H_out, the forward-only pass)
+                    yield n, (H_in, None if job is None else job.result())
             for n, res in ready():
                 if emit is None:
                     out[n] = res

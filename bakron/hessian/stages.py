@@ -31,6 +31,14 @@ Optionally, a stage whose VJP would recompute part of its forward may keep it in
     the bytes of that tape for an input of shape ``in_shape`` and activations of ``itemsize``
     bytes.
 
+A stage with linear weights may also have
+
+``forward_collect(xp, h, collect) -> array``
+    the output (bitwise that of ``forward``), calling ``collect(key, x)`` with the input rows
+    of each linear weight it holds (bitwise the ``x`` its ``vjp`` collects): the forward-only
+    pass of :func:`~bakron.hessian.input_factors` (``H_in`` without ``H_out``). Without it
+    that pass runs the stage's ``vjp`` on a zero gradient, which costs a VJP.
+
 The driver keeps a tape only where a stage's VJP follows its last forward evaluation (all of
 them under the store-all schedule) and counts it as activations in its plan and ledger.
 
@@ -61,7 +69,7 @@ from .. import _xp
 from .._lib.special import gelu, gelu_derivative
 
 __all__ = ["Linear", "Bias", "ReLU", "GELU", "LayerNorm", "Residual", "SoftmaxCrossEntropy",
-           "HeadContext", "stage_label", "is_head"]
+           "HeadContext", "stage_label", "is_head", "forward_collect"]
 
 
 def stage_label(stage, index=None) -> str:
@@ -75,6 +83,21 @@ def stage_label(stage, index=None) -> str:
 
 def is_head(obj) -> bool:
     return bool(getattr(obj, "is_head", False))
+
+
+def forward_collect(stage, xp, h, collect):
+    """``stage``'s output for input ``h``, calling ``collect(key, x)`` with the input rows of
+    each of its linear weights (the ``x`` its ``vjp`` hands to ``collect``, bitwise): its
+    ``forward_collect`` where it has one, its ``forward`` where it holds no linear weight,
+    else its ``forward`` and a ``vjp`` with a zero gradient (correct, at a VJP's cost)."""
+    fn = getattr(stage, "forward_collect", None)
+    if fn is not None:
+        return fn(xp, h, collect)
+    y = stage.forward(xp, h)
+    if stage.linears():
+        stage.vjp(xp, h, xp.zeros_like(y), lambda key, x, g: collect(key, x),
+                  need_input_grad=False)
+    return y
 
 
 def _last_axis(in_shape, stage, what="inputs"):
@@ -120,6 +143,10 @@ class Linear:
         if self.b is not None:
             y = y + self.b
         return xp.reshape(y, lead + (m,))
+
+    def forward_collect(self, xp, h, collect):
+        collect(self.name, h)
+        return self.forward(xp, h)
 
     def vjp(self, xp, h, delta, collect, need_input_grad=True):
         collect(self.name, h, delta)
@@ -271,6 +298,7 @@ class Residual:
         for j, s in enumerate(stages):
             for k in s.linears():
                 self._keys.append((j, k, f"{name}.{j if k is None else k}"))
+        self._names = {(j, k): full for j, k, full in self._keys}
 
     def linears(self):
         out = {}
@@ -297,6 +325,14 @@ class Residual:
         y = h
         for s in self.stages:
             y = s.forward(xp, y)
+        return h + y
+
+    def forward_collect(self, xp, h, collect):
+        y = h
+        for j, s in enumerate(self.stages):
+            def inner(key, x, _j=j):
+                collect(self._names[(_j, key)], x)
+            y = forward_collect(s, xp, y, inner)
         return h + y
 
     def forward_tape(self, xp, h):
@@ -334,7 +370,7 @@ class Residual:
         else:
             states, tapes = [h, *tape[0]], list(tape[1])
         del tape
-        names = {(j, k): full for j, k, full in self._keys}
+        names = self._names
         d = delta
         for j in range(len(self.stages) - 1, -1, -1):
             def inner(key, x, g, _j=j):

@@ -392,6 +392,16 @@ class Attention:
         _, _, q, k, v, _ = self._prepare(xp, h)
         return _lin(xp, self._merge(xp, self._attend(xp, q, k, v)), self.Wo)
 
+    def forward_collect(self, xp, h, collect):
+        n_q, n_k, n_v, n_o = self.names
+        collect(n_q, h)
+        collect(n_k, h)
+        collect(n_v, h)
+        _, _, q, k, v, _ = self._prepare(xp, h)
+        O = self._merge(xp, self._attend(xp, q, k, v))
+        collect(n_o, O)
+        return _lin(xp, O, self.Wo)
+
     def _tape_probs(self, T: int) -> bool:
         """Whether the tape keeps the probabilities: when they are no larger than the rest
         of the tape (``H·T <= 2 (H + K) hd`` per token: short sequences); else the VJP
@@ -520,6 +530,16 @@ class SwiGLU:
         s = _sigmoid(xp, a)
         s *= a
         s *= b
+        return _lin(xp, s, self.W_down)
+
+    def forward_collect(self, xp, h, collect):
+        n_g, n_u, n_d = self.names
+        collect(n_g, h)
+        collect(n_u, h)
+        a, b = _lin(xp, h, self.W_gate), _lin(xp, h, self.W_up)
+        s = a * _sigmoid(xp, a)
+        s *= b
+        collect(n_d, s)
         return _lin(xp, s, self.W_down)
 
     def forward_tape(self, xp, h):
