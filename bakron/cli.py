@@ -343,10 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "Hugging Face folder; a source of the other kind is converted first "
                          "(default gguf-q4_0)")
     qm.add_argument("--factors", choices=QM_FACTORS, default="global",
-                    help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in; "
-                         "global: two-sided with both K-FAC factors of the KL-Fisher (default: "
-                         "0.85-0.86x input's KL on SmolLM2, docs/llm.md); input+global-out: "
-                         "local H_in with the global H_out")
+                    help="rtn: round to nearest; input: one-sided LDLQ with each layer's H_in "
+                         "(forward passes alone); global: two-sided with both K-FAC factors of "
+                         "the KL-Fisher (default: 0.82x input's KL on SmolLM2 with --format "
+                         "float, docs/llm.md); input+global-out: local H_in with the global "
+                         "H_out")
     qm.add_argument("--calib", default="generated+docs",
                     metavar="FILE|generated+docs|builtin|generated",
                     help="calibration text: generated+docs (default: half sampled from the "
@@ -364,8 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     qm.add_argument("--calib-len", type=_positive_int, default=128, metavar="T",
                     help="tokens per calibration sequence (default 128)")
     qm.add_argument("--memory-budget", type=_bytes, default=None, metavar="BYTES",
-                    help="working-memory budget of the global-Hessian passes (e.g. 2G; "
-                         "default: store every activation)")
+                    help="working-memory budget of the Hessian passes (e.g. 2G; default: "
+                         "store every activation); --factors input's forward passes hold "
+                         "two stage boundaries of the calibration, else the budgeted global "
+                         "pass runs")
     qm.add_argument("--bits", type=_bits, default=None,
                     help="bits of the gptq (2, 4, 8) or float (2..8) grid (default 4)")
     qm.add_argument("--group-size", type=_positive_int, default=None,

@@ -30,6 +30,24 @@ def test_pass_gemms_and_flops_of_an_mlp():
     assert f["forward"] == 2 * 10 * (6 * 8 + 8 * 4) and f["vjp"] == 2 * 10 * 4 * 8
     assert f["kfac_products"] == 10 * (36 + 64 + 64 + 16)
     assert f["kfac"] == f["forward"] + f["vjp"] + f["kfac_products"]
+    assert f["inputs"] == f["forward"] + 10 * (36 + 64)   # the forward-only pass: H_in alone
+
+
+def test_the_forward_only_pass_leaves_out_the_head():
+    from bakron.hessian import LMHead
+
+    rng = np.random.default_rng(2)
+    g = cost.pass_gemms([bh.Linear(rng.standard_normal((8, 6)), name="a"),
+                         LMHead(rng.standard_normal((50, 8)))], 10)
+    assert g["head"] == [("gemm", 10, 8, 50)] and g["head"][0] in g["fwd"]
+    f = cost.pass_flops(g)
+    assert f["inputs"] == 2 * 10 * 6 * 8 + 10 * 36
+    st = _mlp([32, 64, 10])
+    kfac = cost.estimate_seconds(st, 1000, passes=1, rate=1e9)
+    fwd = cost.estimate_seconds(st, 1000, passes=1, rate=1e9, forward_only=True)
+    assert 0 < fwd < kfac
+    line = cost.announce(st, [[1] * 100] * 20, passes=1, batch_size=8, forward_only=True)
+    assert line.startswith("input factors: 1 forward pass over 2,000 calibration tokens")
 
 
 def test_shared_inputs_count_once():

@@ -5,9 +5,10 @@ For each model chain (``smollm2``: SmolLM2-135M on random token ids; ``mlp``: a 
 ReLU MLP on Gaussian inputs), each thread count (one fresh process per count, with
 ``OPENBLAS_NUM_THREADS = OMP_NUM_THREADS = t``) and each schedule (``store_all``: one range,
 all activations kept; ``budget``: a memory budget of half the store-all plan, so that the
-driver checkpoints), it runs :func:`bakron.hessian.global_factors` with one refinement step
+driver checkpoints; ``forward``: :func:`bakron.hessian.input_factors`, ``H_in`` alone from
+forward passes), it runs :func:`bakron.hessian.global_factors` with one refinement step
 and reads the wall time of each pass from the report (``kfac``, ``refine_out``,
-``refine_in``), in tokens per second.
+``refine_in``; ``inputs`` for the forward-only pass), in tokens per second.
 
 The **floor** of a pass is measured in the same process: the matrix products that pass must
 do, each timed alone on random data of its shape and dtype at this machine's BLAS rate (into a
@@ -18,7 +19,8 @@ the VJP (every input gradient, the attention backward, the LM head's ``p W``), a
 products as symmetric rank-k updates (``?syrk``) on the real rows, one ``H_in`` per distinct
 input (q/k/v share one, gate/up another) and one ``H_out`` per layer; a refinement pass has,
 per layer, the fixed factor's quadratic form (``X H``: a GEMM) and a weighted ``?syrk``
-instead. Recomputation (a residual block's VJP re-runs its forward; checkpointing) is not in
+instead; the forward-only pass has the forward without the LM head and the ``H_in`` products.
+Recomputation (a residual block's VJP re-runs its forward; checkpointing) is not in
 the floor: it is overhead the ratio shows. Peak memory is the driver's own ledger (factor
 buffers + caches + activations) and the traced heap peak (``tracemalloc``, which numpy
 reports to) over the timed runs.
@@ -46,7 +48,7 @@ from ..hessian.cost import pass_gemms
 
 __all__ = ["main", "pass_gemms", "floor_seconds", "build_chain"]
 
-PASSES = ("kfac", "refine_out", "refine_in")
+PASSES = ("kfac", "refine_out", "refine_in", "inputs")
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,8 +73,9 @@ _FLOOR_CACHE: dict = {}
 
 
 def floor_seconds(g: dict, dtype="float32", repeats: int = 3, seed: int = 0) -> dict:
-    """The floor of a K-FAC pass and of a refinement pass (each side) in seconds: every
-    product of ``g`` (:func:`pass_gemms`) timed alone on random data and summed, by part."""
+    """The floor of a K-FAC pass, of a refinement pass (each side) and of the forward-only
+    pass in seconds: every product of ``g`` (:func:`pass_gemms`) timed alone on random data
+    and summed, by part."""
     from scipy.linalg import blas
 
     dt = np.dtype(dtype)
@@ -113,14 +116,20 @@ def floor_seconds(g: dict, dtype="float32", repeats: int = 3, seed: int = 0) -> 
         return s
 
     N = g["N"]
-    fwd, vjp = total(g["fwd"]), total(g["vjp"])
-    kfac = sum(t_syrk(N, n) for n in g["in"]) + sum(t_syrk(N, m) for m in g["out"])
+    fwd, vjp, head = total(g["fwd"]), total(g["vjp"]), total(g.get("head", ()))
+    ins = sum(t_syrk(N, n) for n in g["in"])
+    kfac = ins + sum(t_syrk(N, m) for m in g["out"])
     r_out = sum(t_gemm(N, n, n) + t_syrk(N, m) for m, n in g["layers"])
     r_in = sum(t_gemm(N, m, m) + t_syrk(N, n) for m, n in g["layers"])
-    return {"forward": fwd, "vjp": vjp, "kfac_products": kfac,
-            "refine_out_products": r_out, "refine_in_products": r_in,
-            "kfac": fwd + vjp + kfac, "refine_out": fwd + vjp + r_out,
-            "refine_in": fwd + vjp + r_in}
+    return {"forward": fwd, "vjp": vjp, "head": head, "kfac_products": kfac,
+            "refine_out_products": r_out, "refine_in_products": r_in, "inputs_products": ins,
+            **_passes(fwd, vjp, head, kfac, r_out, r_in, ins)}
+
+
+def _passes(fwd, vjp, head, kfac, r_out, r_in, ins) -> dict:
+    """Each pass's floor from its parts (the forward-only ``inputs`` pass has no head)."""
+    return {"kfac": fwd + vjp + kfac, "refine_out": fwd + vjp + r_out,
+            "refine_in": fwd + vjp + r_in, "inputs": fwd - head + ins}
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,6 +193,18 @@ def _one(stages, batches, budget, repeats):
     return {k: float(np.median(v)) for k, v in runs.items()}, rep
 
 
+def _forward(stages, batches, repeats):
+    """Median seconds of :func:`bakron.hessian.input_factors` over ``repeats`` runs."""
+    import bakron.hessian as bh
+
+    runs, rep = [], None
+    for _ in range(repeats):
+        _, rep = bh.input_factors(stages, batches, sink=lambda *a: None)
+        s = rep.sweeps[0]
+        runs.append(s.cpu_seconds if CLOCK["fn"] is time.process_time else s.seconds)
+    return {"inputs": float(np.median(runs))}, rep
+
+
 def _budget(bh, stages, batches, buffers, store_all):
     """The smallest of ``buffers + f × activations`` (f = 1/2, 5/8, 3/4, 7/8) that plans."""
     act = max(store_all - buffers, 0)
@@ -230,9 +251,12 @@ def child(args) -> dict:
         x0 = batches[0][:1, :16] if seqs is not None else batches[0][:16]
         bh.global_factors(stages, [x0], refine_iters=1, sink=lambda *a: None)
         for sched in args.schedules:
-            bb = None if sched == "store_all" else budget
+            bb = budget if sched == "budget" else None
             tracemalloc.start()   # numpy reports its allocations; few, large: cheap to trace
-            times, rep = _one(stages, batches, bb, args.repeats)
+            if sched == "forward":
+                times, rep = _forward(stages, batches, args.repeats)
+            else:
+                times, rep = _one(stages, batches, bb, args.repeats)
             traced = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
             res["schedules"][sched] = {
@@ -250,8 +274,9 @@ def child(args) -> dict:
         after, _ = floor()
         res["floor_before"], res["floor_after"] = dict(fl), after
         fl = {k: min(v, after[k]) for k, v in fl.items() if k not in PASSES}
-        for p in PASSES:
-            fl[p] = fl["forward"] + fl["vjp"] + fl[f"{p}_products"]
+        fl.update(_passes(fl["forward"], fl["vjp"], fl["head"], fl["kfac_products"],
+                          fl["refine_out_products"], fl["refine_in_products"],
+                          fl["inputs_products"]))
         res["floor"] = fl
         for sched, s in res["schedules"].items():
             print(f"[{args.child} threads] {model} {sched} against the smaller floor: " +
@@ -303,7 +328,9 @@ def write_report(results, out_dir, name, command, meta) -> str:
              "*Ratio*: pass time / floor (1.0 = at the floor). The budget schedule holds the "
              "factor buffers and about half the store-all plan's activations, so it "
              "recomputes; when it splits the layer range, a pass is the sum of its sweeps "
-             "(the splits' sweeps count towards K-FAC). *Clock*: wall time, or this "
+             "(the splits' sweeps count towards K-FAC). The forward schedule is "
+             "`input_factors`: `H_in` alone from forward passes (pass `inputs`: the forward "
+             "without the LM head and the `H_in` products). *Clock*: wall time, or this "
              "process's CPU time (all threads) for passes and floor alike, which a loaded "
              "machine disturbs less. Peak memory: the "
              "driver's ledger (factor buffers, caches, activations) and the traced heap peak "
@@ -345,7 +372,7 @@ def write_report(results, out_dir, name, command, meta) -> str:
                 f"{k} {1e3 * v / r['models'][m]['tokens']:.2f}"
                 for k, v in r["models"][m]["floor"].items()
                 if k in ("forward", "vjp", "kfac_products", "refine_out_products",
-                         "refine_in_products"))
+                         "refine_in_products", "head", "inputs_products"))
             for r in results if m in r["models"]) + ".", ""]
     path = os.path.join(out_dir, f"{name}.md")
     with atomic_path(path) as tmp:
@@ -381,8 +408,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default="smollm2,mlp",
                     help="comma-separated: smollm2, mlp (default both)")
     ap.add_argument("--threads", default="1,2", help="BLAS thread counts (default 1,2)")
-    ap.add_argument("--schedules", default="store_all,budget",
-                    help="store_all and/or budget (half the store-all plan)")
+    ap.add_argument("--schedules", default="store_all,budget,forward",
+                    help="store_all, budget (half the store-all plan) and/or forward (the "
+                         "forward-only H_in pass of input_factors)")
     ap.add_argument("--tokens", type=int, default=1024, help="calibration tokens (default 1024)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (smollm2)")
     ap.add_argument("--batch-tokens", type=int, default=1024,
@@ -407,8 +435,8 @@ def main(argv=None) -> int:
     args.models = [m for m in args.models.split(",") if m]
     args.schedules = [s for s in args.schedules.split(",") if s]
     for s in args.schedules:
-        if s not in ("store_all", "budget"):
-            ap.error(f"--schedules: unknown schedule {s!r} (store_all, budget)")
+        if s not in ("store_all", "budget", "forward"):
+            ap.error(f"--schedules: unknown schedule {s!r} (store_all, budget, forward)")
     if args.merge:
         runs, merged = [], {}
         for path in args.merge:
