@@ -6,11 +6,13 @@ with 512 calibration samples at budgets that are fractions of what storing every
 the budget bounds), ``track_recompute_factor`` the stage evaluations relative to one
 store-all pass, ``track_passes`` the passes over the calibration data.
 ``CheckpointSchedules`` compares the three schedules inside one pass of a 64-stage chain.
+``InputFactors`` runs the forward-only ``H_in`` pass (``input_factors``) on the same chain as
+the store-all ``GlobalFactorsBudget`` and tracks its time and working memory relative to it.
 The figure in docs/hessian.md comes from ``python -m bakron.hessian._plot``.
 """
 import numpy as np
 
-from bakron.hessian import global_factors, reversal_cost
+from bakron.hessian import global_factors, input_factors, reversal_cost
 from bakron.hessian._examples import deep_chain
 
 from . import sig3
@@ -103,3 +105,30 @@ class CheckpointSchedules:
     def track_peak_states(self, schedule):
         return self._run().peak_states
     track_peak_states.unit = "states"
+
+
+class InputFactors:
+    """``H_in`` alone by forward passes (what one-sided rounding needs) on the chain of
+    ``GlobalFactorsBudget``, against the store-all K-FAC pass of both factors."""
+
+    timeout = 300
+    number = 1
+    repeat = (5, 10, 60.0)
+
+    def setup(self):
+        p = _problem()
+        self.stages, self.X, self.bs, self.top = p["stages"], p["X"], p["bs"], p["top"]
+
+    def _run(self):
+        _, rep = input_factors(self.stages, self.X, batch_size=self.bs, sink=_drop)
+        return rep
+
+    def time_input_factors(self):
+        self._run()
+
+    def peakmem_input_factors(self):
+        self._run()
+
+    def track_working_memory_vs_global(self):
+        return sig3(self._run().peak_bytes / self.top)
+    track_working_memory_vs_global.unit = "x global store-all"
