@@ -57,6 +57,11 @@ def test_transformer_input_factors_are_the_global_pass_h_in(xp, accum):
     fwd, rep = bh.input_factors(_chain(w, labels=None), batches, weights=weights, **kw)
     _same(glob, fwd)
     assert rep.n_layers == 14 and rep.peak_buffer_bytes > 0
+    # what quantize-model checks against --memory-budget bounds what the pass held
+    from bakron.hessian.forward import input_peak_bytes
+
+    bound = input_peak_bytes(_chain(w, labels=None), batches, **kw)
+    assert rep.peak_bytes <= bound <= 2 * rep.peak_bytes
 
 
 def test_crossfitted_and_selected_layers():
