@@ -373,15 +373,15 @@ def _check_memory_budget(lm, xp, seqs, todo, memory_budget, batch_size, out_esti
     forward-only pass, or else that plan); the error names the option."""
     if memory_budget is None or not todo:
         return
-    if factors == "input" and _forward_fits(lm, xp, _calibration_batches(lm, xp, seqs,
-                                                                         batch_size),
-                                            todo, in_estimator, memory_budget):
+    batches = _calibration_batches(lm, xp, seqs, batch_size)
+    if factors == "input" and _forward_fits(lm, xp, batches, todo, in_estimator,
+                                            memory_budget):
         return
     from .hessian import plan_global
     from .hessian.driver import _TooSmall
 
     try:
-        plan_global(lm.stages(), _calibration_batches(lm, xp, seqs, batch_size),
+        plan_global(lm.stages(), batches,
                     budget_bytes=memory_budget, layers=todo, out_estimator=out_estimator,
                     in_estimator=in_estimator,
                     accum_dtype=getattr(xp, _ACCUM_DTYPE))

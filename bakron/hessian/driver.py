@@ -850,7 +850,7 @@ def _prepare(stages, calib_inputs, batch_size, budget_bytes, checkpoint, snapsho
                 batch_tokens=batch_tokens,
                 names_at=names_at, layer_shapes=layer_shapes, skipped=skipped,
                 acc_dtype=acc_dtype, plan=plan, ids=ids, products=prod_dtype,
-                act_item=itemsize,
+                batch_sizes=batch_sizes,
                 checkpoint=checkpoint, out_copies=out_copies, in_copies=in_copies, buf=buf)
 
 

@@ -13,7 +13,6 @@ same rows, weights, products and order of batches; ``in_estimator`` as there).
 """
 from __future__ import annotations
 
-import math
 import time
 
 from .. import _xp
@@ -47,9 +46,8 @@ def input_factors(stages, calib_inputs, *, batch_size=None, weights=None, accum_
         accumulators).
     """
     t0 = time.perf_counter()
-    P = _prepare(stages, calib_inputs, batch_size, None, "auto", None, accum_dtype, weights,
-                 "token", 0, layers, products,
-                 in_copies=estimator_folds(in_estimator, "in_estimator"))
+    P = _prepare_inputs(stages, calib_inputs, batch_size, accum_dtype, weights, layers,
+                        products, in_estimator)
     xp, body, batches = P["xp"], P["body"], P["batches"]
     last = max(i for i, names in enumerate(P["names_at"]) if names)
     report = HessianReport(n_stages=len(body), n_batches=len(batches),
@@ -58,7 +56,6 @@ def input_factors(stages, calib_inputs, *, batch_size=None, weights=None, accum_
     eng = _Engine(xp, body, P["head"], 0, check_finite)
     ledger = _Ledger()
     run = _Run(P, eng, ledger, report, "token", 0, sink)
-    run.folded = P["in_copies"] > 1
     show, close = progress_bar(progress)
     try:
         results = _pass(run, last, show, t0)
@@ -77,27 +74,20 @@ def input_peak_bytes(stages, calib_inputs, *, batch_size=None, accum_dtype=None,
     """The bytes :func:`input_factors` holds at most (nothing is computed): every batch's
     states at two stage boundaries and the largest stage's accumulators (``n x n`` per layer
     and fold)."""
-    P = _prepare(stages, calib_inputs, batch_size, None, "auto", None, accum_dtype, None,
-                 "token", 0, layers, None,
-                 in_copies=estimator_folds(in_estimator, "in_estimator"))
-    xp = P["xp"]
-    item = xp.finfo(P["acc_dtype"]).bits // 8
-    states = [sum(_state_bytes(xp, P, k, i) for k in range(len(P["batches"])))
-              for i in range(len(P["body"]) + 1)]
-    bufs = [sum(P["in_copies"] * P["layer_shapes"][n][1] ** 2 * item for n in names)
-            for names in P["names_at"]]
+    P = _prepare_inputs(stages, calib_inputs, batch_size, accum_dtype, None, layers, None,
+                        in_estimator)
+    states = [sum(bs[i] for bs in P["batch_sizes"]) for i in range(len(P["body"]) + 1)]
     last = max(i for i, names in enumerate(P["names_at"]) if names)
-    return max(states[i] + states[i + 1] + bufs[i] for i in range(last + 1))
+    return max(states[i] + states[i + 1] + P["buf"][i] for i in range(last + 1))
 
 
-def _state_bytes(xp, P, k, i) -> int:
-    """Bytes of batch ``k``'s state at boundary ``i`` (token ids at 0 for an id chain)."""
-    shape = P["shapes"][k][i]
-    if i == 0:
-        x = P["batches"][k]
-        return math.prod(x.shape) * (xp.iinfo(x.dtype).bits if P["ids"]
-                                     else xp.finfo(x.dtype).bits) // 8
-    return math.prod(shape) * P["act_item"]
+def _prepare_inputs(stages, calib_inputs, batch_size, accum_dtype, weights, layers, products,
+                    in_estimator) -> dict:
+    """The driver's checks and batches, with no ``H_out`` buffers: ``P["buf"][i]`` is the
+    bytes of stage ``i``'s ``H_in`` accumulators (``n x n`` per layer and fold)."""
+    return _prepare(stages, calib_inputs, batch_size, None, "auto", None, accum_dtype, weights,
+                    "token", 0, layers, products, out_copies=0,
+                    in_copies=estimator_folds(in_estimator, "in_estimator"))
 
 
 def _pass(run, last, show, t0) -> dict:
@@ -105,7 +95,6 @@ def _pass(run, last, show, t0) -> dict:
     sink)."""
     P, eng, ledger, xp = run.P, run.eng, run.ledger, run.xp
     prod, copies = P["products"], P["in_copies"]
-    item = xp.finfo(P["acc_dtype"]).bits // 8
     dev = _xp.device(P["batches"][0])
     defer = _defer_checks(xp) and eng.check
     chk = False if defer else "product"
@@ -123,8 +112,7 @@ def _pass(run, last, show, t0) -> dict:
         accs = {n: ([FactorAccumulator(P["layer_shapes"][n][1], xp=xp, dtype=P["acc_dtype"],
                                        device=dev) for _ in range(copies)], None)
                 for n in names}
-        nbuf = sum(copies * P["layer_shapes"][n][1] ** 2 * item for n in names)
-        ledger.alloc("buf", nbuf, 0)
+        ledger.alloc("buf", P["buf"][i], 0)
         same_in = {}
 
         def collect(key, x, _i=i, _accs=accs, _same=same_in, _owner=owner):
@@ -170,18 +158,9 @@ def _pass(run, last, show, t0) -> dict:
                 done = (i * P["tokens"] + P["batch_tokens"][k]) // (last + 1)
                 show(Progress("forward", 1, 1, done, P["tokens"], time.perf_counter() - t0))
         scratch.clear()
-        emit = run.sink
-        if run.folded:
-            results.update(run._crossfit_all(names, accs, emit, same_in))
-        else:
-            for n in names:
-                H_in = accs.pop(n)[0][0].finish()
-                if emit is None:
-                    results[n] = (H_in, None)
-                else:
-                    emit(n, H_in, None)
-                del H_in
-        ledger.free("buf", nbuf, 0)
+        # (one fold: the mean; folds: cross-fitted, a shared input once)
+        results.update(run._crossfit_all(names, accs, run.sink, same_in))
+        ledger.free("buf", P["buf"][i], 0)
     ledger.free("act", sum(eng.nbytes(h) for h in states), len(states))
     rec.stage_evals = eng.evals
     rec.seconds = time.perf_counter() - t0
