@@ -388,7 +388,8 @@ def pool(args):
     """One line per setting with rotations: the rotation seeds pooled. Each text's ratio is
     that of the mean KLs over every (seed, text) pair, paired with ``--factors input`` of
     the same seed on the same machine (``host``; a run without its pair is left out), with
-    its delta-method standard error; the range is that of the single seeds' ratios; the
+    its delta-method standard error (with ``--seed-se`` over the seeds' mean KLs instead: what a
+    run with another rotation seed may give); the range is that of the single seeds' ratios; the
     KLs are the seeds' means. Settings are those of :func:`run` but the
     seed (``--factors global`` with one label draw, K-FAC; ``--rule`` keeps one ``H_out``
     column, e.g. ``"damp 3"`` for ``auto: damp 3`` or ``"damp 0.1, crossfit H_out"``)."""
@@ -427,6 +428,9 @@ def pool(args):
             q, se = ratio(a, b)
             each = [ratio(r[f"{t}_kl_per_text"], q_[f"{t}_kl_per_text"])[0]
                     for r, q_ in zip(runs, base)]
+            if args.seed_se and len(runs) > 1:   # the seeds as the unit: their mean KLs
+                se = ratio([np.mean(r[f"{t}_kl_per_text"]) for r in runs],
+                           [np.mean(q_[f"{t}_kl_per_text"]) for q_ in base])[1]
             cells += [f"{np.mean([q_[f'{t}_kl'] for q_ in base]):.3f} / "
                       f"{np.mean([r[f'{t}_kl'] for r in runs]):.3f}",
                       f"**{q:.2f}** ± {se:.2f} ({min(each):.2f}–{max(each):.2f})"]
@@ -561,6 +565,9 @@ def main(argv=None):
     t.add_argument("--calib", default=None, help="only this calibration")
     t.add_argument("--rule", default=None,
                    help="only this H_out column (e.g. 'damp 3' for 'auto: damp 3')")
+    t.add_argument("--seed-se", action="store_true",
+                   help="standard errors over the rotation seeds (each seed's mean KLs, "
+                        "paired) instead of over every (seed, window) pair")
     s = sub.add_parser("score", help="runs saved with --save-weights scored on text files")
     s.add_argument("--weights", required=True, nargs="+", metavar="DIR")
     s.add_argument("--text", action="append", required=True, metavar="FILE",
