@@ -79,3 +79,32 @@ def test_pool_shows_every_text_all_runs_were_scored_on(tmp_path, capsys):
     assert cells[5] == "0, 1"
     assert abs(float(cells[i + 1].split()[0].strip("*")) - np.mean(a) / np.mean(b)) < 5e-3
     assert cells[head.index("gen KL, input / global") + 1].startswith("**0.90**")
+
+
+def test_pool_seed_se_takes_the_seeds_as_the_unit(tmp_path, capsys):
+    """``--seed-se``: the ratio is the same, its standard error is that of the seeds' mean KLs
+    (paired by seed), which a seed-wide shift moves and the window-level one hardly sees."""
+    rng = np.random.default_rng(2)
+    rows, A, B = [], [], []
+    for seed, f in zip((0, 1, 2), (0.6, 0.8, 1.0)):
+        one = list(rng.uniform(0.5, 1.0, 40))
+        two = [f * x * g for x, g in zip(one, rng.uniform(0.98, 1.02, 40))]
+        for factors, kl in (("input", one), ("global", two)):
+            r = {**_row("generated+docs", factors, seed, kl, kl), "format": "float",
+                 "tile": 16, "refine": 0, "damp": 0.01, "rule": None,
+                 "gen_kl": float(np.mean(kl)), "caldocs_kl": float(np.mean(kl))}
+            rows.append(r)
+        A.append(np.mean(two))
+        B.append(np.mean(one))
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    cells = {}
+    for flag in ([], ["--seed-se"]):
+        qm.main(["pool", str(path), *flag])
+        line = capsys.readouterr().out.splitlines()[2]
+        cells[bool(flag)] = [c.strip() for c in line.strip("|").split("|")][7]
+    r, se = qm.ratio(A, B)
+    assert se > 0.05
+    assert cells[True].startswith(f"**{r:.2f}** ± {se:.2f} ")
+    assert cells[False].split(" ±")[0] == cells[True].split(" ±")[0]
+    assert float(cells[False].split("± ")[1].split()[0]) < se / 2
